@@ -1,0 +1,280 @@
+"""`MultiProcExecutor`: one spawned worker process per rank, driven from the event loop.
+
+Data path of one call: encode once (large tensors copied once into this process's arena) -> the same
+frame to every rank's PUSH socket -> the reply reader task decodes each rank's reply and completes the
+call when every rank has answered.
+
+Liveness: every worker's pidfd is watched by the loop (`add_reader`); readable means the process exited,
+confirmed with `poll()` before acting, since only an exit code proves a death. A death fails every
+pending call with `WorkerDiedError` at once, marks the executor failed and terminates the other ranks.
+Each worker also watches us through its stdin (see `asyncexec.worker.proc`).
+
+Shutdown: `Shutdown` message -> SIGTERM after `SHUTDOWN_GRACE_S` -> SIGKILL after `TERM_GRACE_S`; then the
+dead workers' segments are unlinked, and our own arena, sockets and socket directory are removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+import asyncexec
+from asyncexec.errors import (
+    ExecutorClosedError,
+    ExecutorTimeoutError,
+    ProtocolError,
+    WorkerDiedError,
+    WorkerStartupError,
+)
+from asyncexec.executor.abstract import Executor
+from asyncexec.ipc.channel import ExecutorChannel
+from asyncexec.ipc.codec import Decoder, Encoder
+from asyncexec.ipc.shm import ShmArena, ShmReader, remove_segments_of, sweep_stale_segments
+from asyncexec.messages import (
+    ExecutorInbox,
+    Ready,
+    RemoteError,
+    RPCReplyFrame,
+    RPCRequest,
+    Shutdown,
+    StartupFailed,
+    WorkerSpawn,
+)
+from asyncexec.worker.proc import write_spawn
+
+__all__ = ["MultiProcExecutor"]
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 2.0
+TERM_GRACE_S = 3.0
+_Reply = tuple[Any, RemoteError | None]
+_SHUTDOWN_FRAME = msgspec.msgpack.encode(Shutdown())
+
+
+@dataclass
+class _Call:
+    method: str
+    result_type: Any
+    future: asyncio.Future[list[_Reply]]
+    replies: list[_Reply | None]
+    remaining: set[int] = field(default_factory=set)
+
+
+class MultiProcExecutor(Executor):
+    """`tensor_parallel_size` worker processes on this machine."""
+
+    _procs: list[subprocess.Popen[bytes]]
+
+    async def _start(self) -> None:
+        for name in sweep_stale_segments():
+            logger.info("removed stale shared-memory segment %s", name)
+        self._loop = asyncio.get_running_loop()
+        self._ids = itertools.count()
+        self._pending: dict[int, _Call] = {}
+        self._procs = []
+        self._pidfds: list[int] = []
+        self._worker_pids: list[int] = []
+        self._ready: list[asyncio.Future[None]] = [self._loop.create_future() for _ in range(self.world_size)]
+        self._arena = ShmArena(self.config.shm_arena_bytes)
+        self._encoder = Encoder(self._arena, self.config.inline_tensor_bytes)
+        self._reader = ShmReader(receiver_index=0)
+        self._decoder = Decoder(self._reader)
+        self._channel = ExecutorChannel(self.world_size)
+        self._channel.start_reading(self._loop, self._on_frame)
+        self._terminating: asyncio.Task[None] | None = None
+        for rank in range(self.world_size):  # spawn every rank before waiting on any
+            self._spawn(rank)
+        try:
+            await asyncio.wait_for(asyncio.gather(*self._ready), self.config.worker_start_timeout_s)
+        except asyncio.TimeoutError:
+            missing = [r for r, f in enumerate(self._ready) if not f.done()]
+            raise WorkerStartupError(
+                missing[0], f"ranks {missing} not ready after {self.config.worker_start_timeout_s:g} s"
+            ) from None
+
+    def _spawn(self, rank: int) -> None:
+        env = dict(os.environ)
+        pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(asyncexec.__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "asyncexec.worker"], stdin=subprocess.PIPE, env=env, close_fds=True
+        )
+        self._procs.append(proc)
+        self._worker_pids.append(proc.pid)
+        self._watch_exit(rank, proc)
+        assert proc.stdin is not None
+        spawn = WorkerSpawn(
+            rank=rank,
+            local_rank=rank,
+            world_size=self.world_size,
+            config=self.config,
+            request_addr=self._channel.request_addrs[rank],
+            reply_addr=self._channel.reply_addr,
+            executor_pid=os.getpid(),
+            executor_arena=self._arena.name,
+            sys_path=[p for p in sys.path if p],
+        )
+        write_spawn(proc.stdin, spawn)
+
+    def _watch_exit(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        fd = os.pidfd_open(proc.pid)
+        self._pidfds.append(fd)
+
+        def on_exit() -> None:
+            code = proc.poll()
+            if code is None:  # not an exit after all: look again shortly rather than spin
+                self._loop.remove_reader(fd)
+                self._loop.call_later(0.05, self._loop.add_reader, fd, on_exit)
+                return
+            self._loop.remove_reader(fd)
+            if not self._closed:
+                logger.error("worker rank %d (pid %d) exited with code %s", rank, proc.pid, code)
+                self._fail(WorkerDiedError(rank, code))
+
+        self._loop.add_reader(fd, on_exit)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
+        for call in self._pending.values():
+            if not call.future.done():
+                call.future.set_exception(exc)
+        self._pending.clear()
+        for f in self._ready:
+            if not f.done():
+                f.set_exception(exc)
+        if self._terminating is None:
+            self._terminating = self._loop.create_task(self._terminate_workers(), name="asyncexec-terminate")
+
+    # ----- replies ----------------------------------------------------------------------------------
+
+    def _on_frame(self, frame: bytes) -> None:
+        try:
+            msg: RPCReplyFrame | Ready | StartupFailed = self._decoder.decode(frame, ExecutorInbox)
+        except ProtocolError as e:
+            logger.warning("executor dropped a malformed reply frame (%d bytes): %s", len(frame), e)
+            return
+        match msg:
+            case RPCReplyFrame():
+                self._on_reply(msg)
+            case Ready(rank=rank) if 0 <= rank < self.world_size:
+                self._reader.allow(msg.arena)
+                _set(self._ready[rank], None)
+            case StartupFailed(rank=rank, error=err) if 0 <= rank < self.world_size:
+                exc = WorkerStartupError(rank, f"{err.type}: {err.message}", err.traceback)
+                _fail_future(self._ready[rank], exc)
+            case _:
+                logger.warning("executor dropped an unexpected message: %r", msg)
+
+    def _on_reply(self, msg: RPCReplyFrame) -> None:
+        call = self._pending.get(msg.call_id)
+        try:  # always decode: that is what releases tensors the reply carries
+            result = self._decoder.decode(msg.result, call.result_type if call else Any)
+            reply: _Reply = (result, msg.error)
+        except ProtocolError as e:
+            reply = (None, RemoteError("ProtocolError", str(e), ""))
+        if call is None or msg.rank not in call.remaining:
+            return  # a late reply to a call that timed out or was cancelled
+        call.replies[msg.rank] = reply
+        call.remaining.discard(msg.rank)
+        if not call.remaining:
+            del self._pending[msg.call_id]
+            _set(call.future, call.replies)
+
+    # ----- calls ------------------------------------------------------------------------------------
+
+    async def _collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float | None,
+        result_type: Any,
+    ) -> list[Any]:
+        call_id = next(self._ids)
+        frame = self._encoder.encode(RPCRequest(call_id, method, args, kwargs), num_receivers=self.world_size)
+        call = _Call(method, result_type, self._loop.create_future(), [None] * self.world_size)
+        call.remaining.update(range(self.world_size))
+        self._pending[call_id] = call
+        expiry = None
+        if timeout is not None:
+            expiry = self._loop.call_later(timeout, self._expire, call_id, timeout)
+        try:
+            for rank in range(self.world_size):
+                await self._channel.send(rank, frame)
+            replies = await call.future
+        finally:
+            self._pending.pop(call_id, None)
+            if expiry is not None:
+                expiry.cancel()
+            self._arena.reclaim()
+        return self._gather(method, replies)
+
+    def _expire(self, call_id: int, timeout: float) -> None:
+        call = self._pending.pop(call_id, None)
+        if call is not None and not call.future.done():
+            call.future.set_exception(ExecutorTimeoutError(call.method, timeout, sorted(call.remaining)))
+
+    # ----- shutdown ---------------------------------------------------------------------------------
+
+    async def _terminate_workers(self) -> None:
+        for rank in range(self.world_size):
+            self._channel.send_nowait(rank, _SHUTDOWN_FRAME)
+        await self._wait_exit(SHUTDOWN_GRACE_S)
+        for proc in self._procs:
+            if proc.poll() is None:
+                logger.warning("worker pid %d ignored shutdown; sending SIGTERM", proc.pid)
+                proc.terminate()
+        await self._wait_exit(TERM_GRACE_S)
+        for proc in self._procs:
+            if proc.poll() is None:
+                logger.warning("worker pid %d ignored SIGTERM; sending SIGKILL", proc.pid)
+                proc.kill()
+        await self._wait_exit(None)
+
+    async def _wait_exit(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while any(p.poll() is None for p in self._procs):
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            await asyncio.sleep(0.01)
+
+    async def _shutdown(self) -> None:
+        if not hasattr(self, "_channel"):
+            return
+        for fd in self._pidfds:
+            self._loop.remove_reader(fd)
+        if self._terminating is None:
+            self._terminating = self._loop.create_task(self._terminate_workers())
+        await self._terminating
+        for call in self._pending.values():
+            _fail_future(call.future, ExecutorClosedError("executor shut down while the call was pending"))
+        self._pending.clear()
+        for proc, fd in zip(self._procs, self._pidfds, strict=False):
+            os.close(fd)
+            if proc.stdin is not None:
+                proc.stdin.close()
+            remove_segments_of(proc.pid)
+        self._channel.close()
+        self._reader.close()
+        self._arena.close()
+
+
+def _set(fut: asyncio.Future[Any], value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _fail_future(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

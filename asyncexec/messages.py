@@ -1,0 +1,189 @@
+"""Every message that crosses a process boundary, as typed msgspec Structs.
+
+Nothing else is ever sent, and nothing is pickled. All Structs are `array_like` (no field names on the
+wire) and `gc=False` (they hold no cycles). The top-level envelopes are tagged, so that one typed
+`Decoder(Union[...])` per inbox validates a frame and `match` dispatches it.
+
+Envelopes come in pairs that share a tag and a field layout: the sender encodes `RPCRequest` with the
+call's arguments as values, the receiver decodes `RPCRequestFrame`, whose arguments stay `msgspec.Raw`
+until the receiver knows the method and so the types to decode them as. The same holds for
+`RPCReply` / `RPCReplyFrame`.
+
+Start-up order on every channel: executor spawns every rank (a `WorkerSpawn` on the worker's stdin)
+-> each worker connects and sends `Ready` or `StartupFailed` -> the executor waits for all ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from asyncexec.config import EngineConfig
+from asyncexec.sampling_params import SamplingParams
+
+__all__ = [
+    "CachedRequestData",
+    "ExecutorInbox",
+    "Logprobs",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "RPCReply",
+    "RPCReplyFrame",
+    "RPCRequest",
+    "RPCRequestFrame",
+    "Ready",
+    "RemoteError",
+    "SchedulerOutput",
+    "Shutdown",
+    "StartupFailed",
+    "WorkerInbox",
+    "WorkerSpawn",
+]
+
+
+class _Wire(msgspec.Struct, array_like=True, gc=False):
+    pass
+
+
+# ----- the step: scheduler -> workers -> scheduler -------------------------------------------------
+
+
+class NewRequestData(_Wire):
+    """A request scheduled for the first time (or again after preemption): sent in full, once."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedRequestData(_Wire):
+    """Requests the workers already hold, as column deltas (one entry per request, same order).
+
+    `new_token_ids` holds tokens the workers do not have yet (on resumption: every token since the
+    prompt); `new_block_ids` the blocks appended this step.
+    """
+
+    req_ids: list[str] = msgspec.field(default_factory=list)
+    resumed_from_preemption: list[bool] = msgspec.field(default_factory=list)
+    new_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    new_block_ids: list[list[int]] = msgspec.field(default_factory=list)
+    num_computed_tokens: list[int] = msgspec.field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+class SchedulerOutput(_Wire):
+    """One step's work for every rank."""
+
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[str] = msgspec.field(default_factory=list)
+    preempted_req_ids: list[str] = msgspec.field(default_factory=list)
+
+
+class Logprobs(_Wire):
+    """Per request, row 0 is the sampled token, rows 1.. the top-n, each with its log-probability."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_token_ranks: list[int]
+
+
+class ModelRunnerOutput(_Wire):
+    """What a step produced, one entry per scheduled request in `req_ids` order."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: Logprobs | None = None
+
+
+# ----- control plane: executor <-> worker -----------------------------------------------------------
+
+
+class RemoteError(_Wire):
+    """An exception raised on a worker, as text (exceptions are not sent as objects)."""
+
+    type: str
+    message: str
+    traceback: str
+
+
+class RPCRequest(_Wire, tag="rpc"):
+    """Executor -> every rank: call `method(*args, **kwargs)` on the worker. Sender's view."""
+
+    call_id: int
+    method: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class RPCRequestFrame(_Wire, tag="rpc"):
+    """Receiver's view of `RPCRequest`: arguments are decoded once the method's types are known."""
+
+    call_id: int
+    method: str
+    args: list[msgspec.Raw]
+    kwargs: dict[str, msgspec.Raw]
+
+
+class RPCReply(_Wire, tag="reply"):
+    """Rank -> executor: the result of one call, or the error it raised. Sender's view."""
+
+    call_id: int
+    rank: int
+    result: Any
+    error: RemoteError | None = None
+
+
+class RPCReplyFrame(_Wire, tag="reply"):
+    """Receiver's view of `RPCReply`."""
+
+    call_id: int
+    rank: int
+    result: msgspec.Raw
+    error: RemoteError | None = None
+
+
+class Shutdown(_Wire, tag="shutdown"):
+    """Executor -> rank: leave the loop, release resources, exit 0."""
+
+
+class Ready(_Wire, tag="ready"):
+    """Rank -> executor, once at start: the worker is built and serving."""
+
+    rank: int
+    pid: int
+    arena: str | None
+
+
+class StartupFailed(_Wire, tag="startup_failed"):
+    """Rank -> executor, once at start, instead of `Ready`."""
+
+    rank: int
+    error: RemoteError
+
+
+class WorkerSpawn(_Wire):
+    """Executor -> new worker process, on its stdin: everything the rank needs to start."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    config: EngineConfig
+    request_addr: str
+    reply_addr: str
+    executor_pid: int
+    executor_arena: str | None
+    sys_path: list[str]
+
+
+WorkerInbox = RPCRequestFrame | Shutdown
+ExecutorInbox = RPCReplyFrame | Ready | StartupFailed

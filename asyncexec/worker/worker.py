@@ -10,12 +10,14 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import os
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from asyncexec.config import EngineConfig
+from asyncexec.errors import ConfigError
 from asyncexec.messages import ModelRunnerOutput, SchedulerOutput
 
 __all__ = ["GPUWorker", "MethodSpec", "Worker", "build_worker", "lookup_method"]
@@ -30,6 +32,11 @@ class Worker:
     """One rank. Model-facing duties (`init_device`, `load_model`, ...) need `config.model`."""
 
     def __init__(self, config: EngineConfig, rank: int, local_rank: int, world_size: int) -> None:
+        if config.model is not None:
+            raise ConfigError(
+                f"model={config.model!r}: this version of asyncexec runs the runtime alone; "
+                "start it with model=None and drive the ranks through worker_extension methods"
+            )
         self.config = config
         self.rank = rank
         self.local_rank = local_rank
@@ -47,7 +54,7 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._require_model("execute_model")
-        raise AssertionError("unreachable")
+        raise AssertionError("unreachable: a worker with a model is refused at construction")
 
     def shutdown(self) -> None:
         """Releases this rank's resources; called once before the worker exits."""
@@ -71,8 +78,6 @@ def _mem_available_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
-
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 

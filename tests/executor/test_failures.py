@@ -196,3 +196,9 @@ async def test_failure_on_uni_carries_the_traceback() -> None:
         with pytest.raises(WorkerFailedError) as info:
             await ex.collective_rpc("fail_on", (0,))
         assert info.value.rank == 0 and "boom on rank 0" in info.value.remote_traceback
+
+
+async def test_a_model_is_refused_clearly_at_start() -> None:
+    ex = Executor.create(make_config("uni", 1, model="/no/such/model"))
+    with pytest.raises(WorkerStartupError, match="model=None"):
+        await ex.start()

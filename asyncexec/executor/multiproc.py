@@ -250,7 +250,9 @@ class MultiProcExecutor(Executor):
             await asyncio.sleep(0.01)
 
     async def _shutdown(self) -> None:
-        if not hasattr(self, "_channel"):
+        if not hasattr(self, "_channel"):  # start failed before the channel existed
+            if hasattr(self, "_arena"):
+                self._arena.close()
             return
         for fd in self._pidfds:
             self._loop.remove_reader(fd)

@@ -25,6 +25,7 @@ import ipaddress
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Callable
 
 import zmq
@@ -59,6 +60,7 @@ class ExecutorChannel:
             if tcp_host is None:
                 self.dir = tempfile.mkdtemp(prefix="asyncexec-")  # mkdtemp makes it 0700
                 os.chmod(self.dir, 0o700)
+                self._rmdir = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
             self.reply_addr = self._bind(self.reply, "reply", tcp_host)
             self.request_addrs = []
             for rank in range(world_size):
@@ -120,7 +122,7 @@ class ExecutorChannel:
                 sock.close(linger=0)
         self.ctx.term()
         if self.dir is not None:
-            shutil.rmtree(self.dir, ignore_errors=True)
+            self._rmdir()
             self.dir = None
 
 

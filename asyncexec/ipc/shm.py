@@ -105,6 +105,9 @@ class ShmArena:
         self._oneoffs: dict[str, tuple[_Segment, int]] = {}  # name -> (segment, receivers)
         self._seq = 0
         self._closed = False
+        # Unlink at interpreter exit even if close() is never called (a forgotten shutdown).
+        self._names = {self.name} if self._seg else set()
+        self._finalizer = weakref.finalize(self, _unlink_names, self._names)
 
     @property
     def size(self) -> int:
@@ -130,6 +133,7 @@ class ShmArena:
                     return Region(self.name, off + head, off, self._seg.buf[off + head : off + head + nbytes])
         self._seq += 1
         seg = _Segment(f"{self.name}-{self._seq}", length)
+        self._names.add(seg.name)
         self._oneoffs[seg.name] = (seg, num_receivers)
         return Region(seg.name, head, 0, seg.buf[head : head + nbytes])
 
@@ -146,6 +150,7 @@ class ShmArena:
         for name, (seg, n) in list(self._oneoffs.items()):
             if seg.buf[:n] == b"\x01" * n:
                 del self._oneoffs[name]
+                self._names.discard(name)
                 seg.close()
                 freed += 1
         return freed
@@ -172,6 +177,14 @@ class ShmArena:
         self._oneoffs.clear()
         if self._seg is not None:
             self._seg.close()
+        self._names.clear()
+        self._finalizer.detach()
+
+
+def _unlink_names(names: set[str]) -> None:
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_path(name))
 
 
 def _mark_done(buf: memoryview, flag: int) -> None:

@@ -202,3 +202,15 @@ async def test_a_model_is_refused_clearly_at_start() -> None:
     ex = Executor.create(make_config("uni", 1, model="/no/such/model"))
     with pytest.raises(WorkerStartupError, match="model=None"):
         await ex.start()
+
+
+async def test_starting_an_executor_sweeps_segments_of_dead_owners() -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = f"asyncexec-{dead.pid}-0badf00d"
+    os.close(os.open(os.path.join("/dev/shm", stale), os.O_CREAT | os.O_RDWR, 0o600))
+    ex = await _mp(1)
+    try:
+        assert stale not in asyncexec_segments()
+    finally:
+        await ex.shutdown()

@@ -84,3 +84,13 @@ def test_stale_segment_of_a_dead_pid_is_swept() -> None:
     assert name not in asyncexec_segments()
     assert live.name in asyncexec_segments()
     live.close()
+
+
+def test_a_forgotten_arena_is_unlinked_when_collected() -> None:
+    arena = ShmArena(1 << 16)
+    frame = Encoder(arena, 0).encode(torch.ones(1 << 15))  # 128 KiB: a one-off segment too
+    names = {n for n in asyncexec_segments() if n.startswith(arena.name)}
+    assert len(names) == 2
+    del arena, frame
+    gc.collect()
+    assert not names & asyncexec_segments()

@@ -110,13 +110,15 @@ class WorkerStartupError(AsyncExecError):
 class ExecutorTimeoutError(AsyncExecError, TimeoutError):
     """Raised when some ranks did not reply to a call within its timeout.
 
-    The executor stays usable: late replies are discarded when they arrive.
+    `missing_ranks` (also `ranks`) lists the ranks that did not reply. The executor stays usable: late
+    replies are discarded when they arrive.
     """
 
     def __init__(self, method: str, timeout: float, missing_ranks: Sequence[int]) -> None:
         self.method = method
         self.timeout = timeout
         self.missing_ranks = list(missing_ranks)
+        self.ranks = self.missing_ranks
         super().__init__(
             f"{method!r} timed out after {timeout:g} s; no reply from ranks {self.missing_ranks}"
         )

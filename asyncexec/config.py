@@ -18,9 +18,11 @@ __all__ = ["DeviceKind", "EngineConfig", "ExecutorKind"]
 
 ExecutorKind = Literal["uni", "mp", "ray"]
 DeviceKind = Literal["auto", "cpu", "cuda"]
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
 _EXECUTORS = ("uni", "mp", "ray")
 _DEVICES = ("auto", "cpu", "cuda")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _EXTENSION_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 MiB = 1 << 20
 
@@ -45,6 +47,19 @@ class EngineConfig:
         shm_arena_bytes: the size of each process's outbound shared-memory arena; 0 sends every large
             tensor through a one-off segment.
         inline_tensor_bytes: tensors of at most this many bytes travel inside the message itself.
+        dtype: the weights' and KV cache's dtype; "auto" keeps the checkpoint's (float32 if unknown).
+        block_size: tokens per KV-cache block.
+        max_model_len: the longest sequence (prompt + output); None takes the model's own limit.
+        max_num_seqs: the most requests in one step.
+        max_num_batched_tokens: the most tokens in one step (the chunked-prefill budget).
+        kv_cache_memory_bytes: the KV cache's size per rank; None sizes it from memory (see
+            `Worker.determine_available_memory`).
+        gpu_memory_utilization: on CUDA, the share of the device's memory the rank may use in total.
+        enforce_eager: never capture or replay CUDA graphs.
+        cudagraph_capture_sizes: decode batch sizes to capture on CUDA; None means 1, 2, 4, 8, then
+            steps of 8 up to `max_num_seqs`.
+        seed: seeds every rank's generators; ranks sample identically.
+        check_rank_agreement: debug mode: `execute_model` checks that every rank sampled the same.
     """
 
     model: str | None = None
@@ -56,6 +71,17 @@ class EngineConfig:
     worker_start_timeout_s: float = 300.0
     shm_arena_bytes: int = 128 * MiB
     inline_tensor_bytes: int = 16 * 1024
+    dtype: DTypeName = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    seed: int = 0
+    check_rank_agreement: bool = False
 
     def __post_init__(self) -> None:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
@@ -76,6 +102,28 @@ class EngineConfig:
         if self.rpc_timeout_s is not None:
             _check_positive("rpc_timeout_s", self.rpc_timeout_s)
         _check_positive("worker_start_timeout_s", self.worker_start_timeout_s)
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "seed"):
+            _check_int(name, getattr(self, name), minimum=1 if name != "seed" else 0)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, minimum=1)
+        if self.kv_cache_memory_bytes is not None:
+            _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, minimum=1)
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+        if self.cudagraph_capture_sizes is not None:
+            sizes = self.cudagraph_capture_sizes
+            if not isinstance(sizes, (list, tuple)) or not sizes:
+                raise ConfigError(f"cudagraph_capture_sizes must be a non-empty list of sizes, got {sizes!r}")
+            for s in sizes:
+                _check_int("cudagraph_capture_sizes", s, minimum=1)
+        if self.model is not None and self.executor_kind == "uni" and self.world_size > 1:
+            raise ConfigError(
+                "executor='uni' runs every rank as a thread of one process, and one process cannot hold "
+                "several torch.distributed ranks: use executor='mp' for tensor_parallel_size > 1 with a model"
+            )
 
     @property
     def world_size(self) -> int:
@@ -88,6 +136,15 @@ class EngineConfig:
         if self.executor is not None:
             return self.executor
         return "uni" if self.world_size == 1 else "mp"
+
+    @property
+    def capture_sizes(self) -> list[int]:
+        """The CUDA-graph batch sizes, largest first, none above `max_num_seqs`."""
+        if self.cudagraph_capture_sizes is not None:
+            sizes = set(self.cudagraph_capture_sizes)
+        else:
+            sizes = {1, 2, 4, 8, *range(16, self.max_num_seqs + 1, 8)}
+        return sorted((s for s in sizes if s <= self.max_num_seqs), reverse=True)
 
     def replace(self, **changes: object) -> EngineConfig:
         """A copy with `changes` applied, validated again."""

@@ -10,6 +10,7 @@ The hierarchy::
     +-- WorkerStartupError                  a worker could not start
     +-- ExecutorTimeoutError (TimeoutError) ranks did not reply in time
     +-- ExecutorClosedError                 the executor was shut down or has failed
+    +-- RankDisagreementError               ranks sampled differently (debug check)
     +-- InvalidRequestError (ValueError)    a request was rejected before scheduling
     +-- EngineOverloadedError               the waiting queue is full
 """
@@ -26,6 +27,7 @@ __all__ = [
     "ExecutorTimeoutError",
     "InvalidRequestError",
     "ProtocolError",
+    "RankDisagreementError",
     "WorkerDiedError",
     "WorkerFailedError",
     "WorkerStartupError",
@@ -129,6 +131,10 @@ class ExecutorClosedError(AsyncExecError):
 
     After a failure, the original error is chained as `__cause__`.
     """
+
+
+class RankDisagreementError(AsyncExecError):
+    """Raised when `check_rank_agreement` is on and two ranks sampled different tokens in a step."""
 
 
 class InvalidRequestError(AsyncExecError, ValueError):

@@ -183,6 +183,7 @@ class WorkerSpawn(_Wire):
     executor_pid: int
     executor_arena: str | None
     sys_path: list[str]
+    distributed_init_method: str | None = None
 
 
 WorkerInbox = RPCRequestFrame | Shutdown

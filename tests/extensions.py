@@ -75,7 +75,7 @@ class EchoExtension:
 class FailingInitExtension:
     """Rank 1 raises while the worker is being built."""
 
-    def __init__(self, config: Any, rank: int, local_rank: int, world_size: int) -> None:
+    def __init__(self, config: Any, rank: int, *args: Any) -> None:
         if rank == 1:
             raise RuntimeError("rank 1 refuses to start")
-        super().__init__(config, rank, local_rank, world_size)  # type: ignore[call-arg]
+        super().__init__(config, rank, *args)  # type: ignore[call-arg]

@@ -15,7 +15,13 @@ from types import TracebackType
 from typing import Any
 
 from asyncexec.config import EngineConfig
-from asyncexec.errors import ConfigError, ExecutorClosedError, WorkerFailedError
+from asyncexec.errors import (
+    ConfigError,
+    ExecutorClosedError,
+    RankDisagreementError,
+    WorkerFailedError,
+    WorkerStartupError,
+)
 from asyncexec.messages import ModelRunnerOutput, RemoteError, SchedulerOutput
 
 __all__ = ["HEALTH_CHECK_TIMEOUT_S", "Executor"]
@@ -73,9 +79,21 @@ class Executor(abc.ABC):
         self._started = True
         try:
             await self._start()
+            if self.config.model is not None:
+                await self._start_model()
         except BaseException:
             await self.shutdown()
             raise
+
+    async def _start_model(self) -> None:
+        timeout = self.config.worker_start_timeout_s
+        try:
+            await self.collective_rpc("init_device", timeout=timeout)
+            await self.collective_rpc("load_model", timeout=timeout)
+        except WorkerFailedError as e:
+            raise WorkerStartupError(
+                e.rank, f"{e.remote_type}: {e.remote_message}", e.remote_traceback
+            ) from e
 
     async def collective_rpc(
         self,
@@ -96,6 +114,13 @@ class Executor(abc.ABC):
         outputs: list[ModelRunnerOutput] = await self._call(
             "execute_model", (scheduler_output,), {}, None, ModelRunnerOutput
         )
+        if self.config.check_rank_agreement:
+            for rank, out in enumerate(outputs[1:], start=1):
+                if out.req_ids != outputs[0].req_ids or out.sampled_token_ids != outputs[0].sampled_token_ids:
+                    raise RankDisagreementError(
+                        f"step {scheduler_output.step_id}: rank {rank} sampled {out.sampled_token_ids}, "
+                        f"rank 0 sampled {outputs[0].sampled_token_ids}"
+                    )
         return outputs[0]
 
     async def determine_available_memory(self) -> int:

@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -92,6 +93,7 @@ class MultiProcExecutor(Executor):
         self._channel = ExecutorChannel(self.world_size)
         self._channel.start_reading(self._loop, self._on_frame)
         self._terminating: asyncio.Task[None] | None = None
+        self._dist_init = f"tcp://127.0.0.1:{_free_port()}" if self.world_size > 1 else None
         for rank in range(self.world_size):  # spawn every rank before waiting on any
             self._spawn(rank)
         try:
@@ -123,6 +125,7 @@ class MultiProcExecutor(Executor):
             executor_pid=os.getpid(),
             executor_arena=self._arena.name,
             sys_path=[p for p in sys.path if p],
+            distributed_init_method=self._dist_init,
         )
         write_spawn(proc.stdin, spawn)
 
@@ -270,6 +273,12 @@ class MultiProcExecutor(Executor):
         self._channel.close()
         self._reader.close()
         self._arena.close()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _set(fut: asyncio.Future[Any], value: Any) -> None:

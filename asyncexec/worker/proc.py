@@ -192,7 +192,9 @@ def main() -> int:
             reader = ShmReader(receiver_index=rank)
             reader.allow(spawn.executor_arena)
             encoder = Encoder(arena, spawn.config.inline_tensor_bytes)
-            worker = build_worker(spawn.config, rank, spawn.local_rank, spawn.world_size)
+            worker = build_worker(
+                spawn.config, rank, spawn.local_rank, spawn.world_size, spawn.distributed_init_method
+            )
         except Exception as e:
             logger.exception("rank %d failed to start", rank)
             channel.send(msgspec.msgpack.encode(StartupFailed(rank, remote_error(e))))

@@ -11,60 +11,172 @@ import importlib
 import inspect
 import logging
 import os
+import random
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import torch
+
 from asyncexec.config import EngineConfig
 from asyncexec.errors import ConfigError
 from asyncexec.messages import ModelRunnerOutput, SchedulerOutput
+from asyncexec.worker.model_runner import ModelRunner
 
 __all__ = ["GPUWorker", "MethodSpec", "Worker", "build_worker", "lookup_method"]
 
 logger = logging.getLogger(__name__)
 
-# On CPU without `kv_cache_memory_bytes`, this share of MemAvailable is offered to the KV cache.
+# On CPU without `kv_cache_memory_bytes`: this share of MemAvailable, at most CPU_KV_CACHE_MAX_BYTES.
 CPU_KV_CACHE_FRACTION = 0.25
+CPU_KV_CACHE_MAX_BYTES = 4 << 30
 
 
 class Worker:
-    """One rank. Model-facing duties (`init_device`, `load_model`, ...) need `config.model`."""
+    """One rank: `init_device`, `load_model`, `profile_run` / `determine_available_memory`,
+    `allocate_kv_cache` and `execute_model`. With `config.model=None` it serves only the runtime
+    (`check_health`, extension methods); the model duties then say so.
+    """
 
-    def __init__(self, config: EngineConfig, rank: int, local_rank: int, world_size: int) -> None:
-        if config.model is not None:
-            raise ConfigError(
-                f"model={config.model!r}: this version of asyncexec runs the runtime alone; "
-                "start it with model=None and drive the ranks through worker_extension methods"
-            )
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int,
+        local_rank: int,
+        world_size: int,
+        distributed_init_method: str | None = None,
+    ) -> None:
         self.config = config
         self.rank = rank
         self.local_rank = local_rank
         self.world_size = world_size
+        self.distributed_init_method = distributed_init_method
+        self.device: torch.device | None = None
+        self.model_runner: ModelRunner | None = None
+
+    # ----- vLLM's duties --------------------------------------------------------------------------
+
+    def init_device(self) -> None:
+        """Pick the device, join the process group (gloo on CPU, nccl on CUDA), seed everything."""
+        want = self.config.device
+        if want == "auto":
+            want = "cuda" if torch.cuda.is_available() else "cpu"
+        if want == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError("device='cuda' but torch sees no CUDA device")
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            if self.distributed_init_method is None:
+                raise ConfigError("several ranks need a distributed_init_method")
+            if not dist.is_initialized():
+                dist.init_process_group(
+                    "nccl" if self.device.type == "cuda" else "gloo",
+                    init_method=self.distributed_init_method,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                )
+        random.seed(self.config.seed)
+        np.random.seed(self.config.seed)
+        torch.manual_seed(self.config.seed)
+        self.model_runner = ModelRunner(self.config, self.device, self.world_size)
+
+    def load_model(self) -> None:
+        if self.rank != 0:
+            import transformers
+
+            transformers.utils.logging.disable_progress_bar()
+        self._runner("load_model").load_model()
+
+    def profile_run(self) -> None:
+        self._runner("profile_run").profile_run()
+
+    def determine_available_memory(self) -> int:
+        """Bytes this rank can give to the KV cache.
+
+        With a model: on CUDA, `total * gpu_memory_utilization` minus the peak of a profile run at
+        `max_num_batched_tokens`; on CPU, `kv_cache_memory_bytes`, else CPU_KV_CACHE_FRACTION of
+        MemAvailable, capped at CPU_KV_CACHE_MAX_BYTES. Without a model, the CPU answer.
+        """
+        if self.config.kv_cache_memory_bytes is not None:
+            if self.model_runner is not None and self.model_runner.model is not None:
+                self.profile_run()
+            return self.config.kv_cache_memory_bytes
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.profile_run()
+            total = torch.cuda.mem_get_info(self.device)[1]
+            peak = torch.cuda.max_memory_allocated(self.device)
+            return max(0, int(total * self.config.gpu_memory_utilization) - peak)
+        if self.model_runner is not None and self.model_runner.model is not None:
+            self.profile_run()
+        return min(int(_mem_available_bytes() * CPU_KV_CACHE_FRACTION), CPU_KV_CACHE_MAX_BYTES)
+
+    def get_kv_cache_block_bytes(self) -> int:
+        """Bytes one KV block takes on this rank (all layers, K and V)."""
+        runner = self._runner("get_kv_cache_block_bytes")
+        if not runner.kv_spec:
+            runner.profile_run()
+        return runner.kv_cache_block_bytes()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        runner = self._runner("allocate_kv_cache")
+        if not runner.kv_spec:
+            runner.profile_run()
+        runner.allocate_kv_cache(num_blocks)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache, then capture CUDA graphs where they apply."""
+        self.allocate_kv_cache(num_blocks)
+        self.compile_or_warm_up_model()
+
+    def compile_or_warm_up_model(self) -> None:
+        runner = self._runner("compile_or_warm_up_model")
+        if self.device is not None and self.device.type == "cuda" and not self.config.enforce_eager:
+            from asyncexec.worker.cuda_graph import CUDAGraphRunner
+
+            runner.graphs = CUDAGraphRunner.capture(runner, self.config.capture_sizes)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._runner("execute_model").execute_model(scheduler_output)
+
+    def get_model_info(self) -> dict[str, Any]:
+        """What the scheduler needs to know of the model."""
+        runner = self._runner("get_model_info")
+        eos = getattr(runner.hf_config, "eos_token_id", None)
+        return {
+            "architecture": runner.arch,
+            "max_model_len": runner.max_model_len,
+            "vocab_size": int(runner.hf_config.get_text_config().vocab_size),
+            "eos_token_ids": [eos] if isinstance(eos, int) else list(eos or []),
+        }
 
     def check_health(self) -> None:
         """Raises if this rank cannot serve; the executor's health check calls it on every rank."""
 
-    def determine_available_memory(self) -> int:
-        """Bytes this rank can give to the KV cache."""
-        return int(_mem_available_bytes() * CPU_KV_CACHE_FRACTION)
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._require_model("initialize_kv_cache")
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._require_model("execute_model")
-        raise AssertionError("unreachable: a worker with a model is refused at construction")
-
     def shutdown(self) -> None:
         """Releases this rank's resources; called once before the worker exits."""
+        import torch.distributed as dist
 
-    def _require_model(self, method: str) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _runner(self, method: str) -> ModelRunner:
         if self.config.model is None:
             raise RuntimeError(
                 f"{method} needs a model, but this executor was started with model=None "
                 "(the runtime alone: collective_rpc and worker_extension methods only)"
             )
+        if self.model_runner is None:
+            raise RuntimeError(f"{method} needs init_device() first")
+        return self.model_runner
 
 
 GPUWorker = Worker  # vLLM's name for the same role
@@ -100,8 +212,14 @@ def resolve_worker_class(config: EngineConfig) -> type[Worker]:
     return type(f"{ext.__name__}Worker", (ext, Worker), {})
 
 
-def build_worker(config: EngineConfig, rank: int, local_rank: int, world_size: int) -> Worker:
-    return resolve_worker_class(config)(config, rank, local_rank, world_size)
+def build_worker(
+    config: EngineConfig,
+    rank: int,
+    local_rank: int,
+    world_size: int,
+    distributed_init_method: str | None = None,
+) -> Worker:
+    return resolve_worker_class(config)(config, rank, local_rank, world_size, distributed_init_method)
 
 
 @dataclass(frozen=True)

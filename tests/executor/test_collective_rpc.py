@@ -64,7 +64,7 @@ async def test_error_on_one_rank_names_that_rank(executor: Executor) -> None:
 
 
 async def test_unknown_and_private_methods_are_refused(executor: Executor) -> None:
-    for name in ("no_such_method", "__init__", "_require_model"):
+    for name in ("no_such_method", "__init__", "_runner"):
         with pytest.raises(WorkerFailedError, match="no public method") as info:
             await executor.collective_rpc(name)
         assert info.value.rank == 0 and info.value.remote_type == "AttributeError"

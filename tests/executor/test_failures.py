@@ -198,9 +198,9 @@ async def test_failure_on_uni_carries_the_traceback() -> None:
         assert info.value.rank == 0 and "boom on rank 0" in info.value.remote_traceback
 
 
-async def test_a_model_is_refused_clearly_at_start() -> None:
+async def test_a_missing_model_folder_fails_start_clearly() -> None:
     ex = Executor.create(make_config("uni", 1, model="/no/such/model"))
-    with pytest.raises(WorkerStartupError, match="model=None"):
+    with pytest.raises(WorkerStartupError, match="model folder '/no/such/model' does not exist"):
         await ex.start()
 
 

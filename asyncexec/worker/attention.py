@@ -1,0 +1,155 @@
+"""Paged attention for transformers models, registered through `AttentionInterface`.
+
+transformers calls `paged_attention(module, query, key, value, attention_mask, scaling=..., **kwargs)`
+once per layer with `query [1, H, T, D]` and `key`/`value [1, Hkv, T, D]` (RoPE applied) for the whole
+flattened batch of T tokens. The step's `AttentionMetadata` arrives as the `attn_metadata` forward kwarg
+(never a module global), and `module.layer_idx` picks the layer's cache.
+
+KV cache, per layer: K and V of shape `[num_blocks, block_size, Hkv, D]`. Token t of a sequence lives in
+slot `block_ids[t // block_size] * block_size + t % block_size`; the flat view `[num_blocks * block_size,
+Hkv, D]` is written through `slot_mapping` before attending, so a chunk sees its own keys.
+
+Batch layout: the first `num_decodes` rows have one query token each and are attended in one padded,
+masked SDPA over their block tables (static shapes, so it is also what a CUDA graph captures); the
+remaining rows (prefill chunks) are attended one SDPA each, with an explicit causal mask where the
+chunk does not start at position 0. `sliding_window` (Mistral, Qwen2) limits keys to the last W.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ATTN_IMPLEMENTATION", "AttentionMetadata", "register_attention"]
+
+ATTN_IMPLEMENTATION = "asyncexec_paged"
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's attention inputs. `kv_caches[layer] = (k_cache, v_cache)`.
+
+    With `profiling`, no cache is used: the batch is one causal sequence and the shapes each layer sees
+    are recorded in `seen` (this is how the KV cache is sized under tensor parallelism).
+    """
+
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    slot_mapping: torch.Tensor  # [T] int64
+    num_decodes: int
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64
+    decode_seq_lens: torch.Tensor  # [num_decodes] int64
+    # prefill rows: (first token index in the batch, query length, context length after this step)
+    prefills: list[tuple[int, int, int]] = field(default_factory=list)
+    prefill_block_ids: list[torch.Tensor] = field(default_factory=list)
+    profiling: bool = False
+    seen: dict[int, tuple[int, int, torch.dtype]] = field(default_factory=dict)
+    calls: int = 0
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    attn_metadata: AttentionMetadata | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    md = attn_metadata
+    if md is None:
+        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention was called without attn_metadata")
+    if kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None:
+        raise NotImplementedError("attention softcapping and sinks are not supported by asyncexec yet")
+    md.calls += 1
+    layer = int(getattr(module, "layer_idx", 0))
+    if md.profiling:
+        md.seen[layer] = (key.shape[1], key.shape[3], key.dtype)
+        out = F.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scaling, enable_gqa=True
+        )
+        return out.transpose(1, 2), None
+    k_cache, v_cache = md.kv_caches[layer]
+    hkv, d = k_cache.shape[2:]
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k_cache.view(-1, hkv, d).index_copy_(0, md.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, md.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    parts = []
+    if md.num_decodes:
+        parts.append(
+            _decode(
+                q[: md.num_decodes],
+                k_cache,
+                v_cache,
+                md.decode_block_tables,
+                md.decode_seq_lens,
+                scaling,
+                sliding_window,
+            )
+        )
+    for (start, n, ctx), blocks in zip(md.prefills, md.prefill_block_ids, strict=True):
+        parts.append(_prefill(q[start : start + n], k_cache, v_cache, blocks, ctx, scaling, sliding_window))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.unsqueeze(0), None  # [1, T, H, D]
+
+
+def _decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scaling: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    """q [B, H, D], one token per row at position seq_len - 1; returns [B, H, D]."""
+    b, hkv, d = q.shape[0], k_cache.shape[2], k_cache.shape[3]
+    k = k_cache[block_tables].view(b, -1, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
+    v = v_cache[block_tables].view(b, -1, hkv, d).transpose(1, 2)
+    pos = torch.arange(k.shape[2], device=q.device)
+    mask = pos[None, :] < seq_lens[:, None]
+    if window is not None:
+        mask &= pos[None, :] > seq_lens[:, None] - 1 - window
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scaling, enable_gqa=True
+    )
+    return out.squeeze(2)
+
+
+def _prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    ctx: int,
+    scaling: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    """q [n, H, D]: the last n of `ctx` positions; returns [n, H, D]."""
+    n, hkv, d = q.shape[0], k_cache.shape[2], k_cache.shape[3]
+    k = k_cache[block_ids].view(-1, hkv, d)[:ctx].transpose(0, 1)  # [Hkv, ctx, D]
+    v = v_cache[block_ids].view(-1, hkv, d)[:ctx].transpose(0, 1)
+    qh = q.transpose(0, 1)  # [H, n, D]
+    if n == ctx and window is None:
+        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+    else:
+        qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        kpos = torch.arange(ctx, device=q.device)[None, :]
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= qpos - kpos < window
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def register_attention() -> str:
+    """Register `paged_attention` with transformers (idempotent); returns its implementation name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+    return ATTN_IMPLEMENTATION

@@ -1,0 +1,166 @@
+"""The persistent batch: what a worker keeps of every request between steps, updated from deltas.
+
+`update_states` applies one `SchedulerOutput`: finished requests are dropped, preempted ones lose their
+blocks (their tokens stay), new requests arrive in full, and cached ones get their new blocks, computed
+count and any tokens this worker does not have. Each worker appends the tokens it samples itself, so a
+decode step carries no token ids at all.
+
+`prepare` turns the scheduled requests into the step's flat inputs, written into preallocated buffers:
+decode rows (one token) first, then prefill chunks, in the scheduler's order within each group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncexec.errors import ProtocolError
+from asyncexec.messages import SchedulerOutput
+from asyncexec.sampling_params import SamplingParams
+
+__all__ = ["CachedRequestState", "InputBatch", "PreparedBatch"]
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class PreparedBatch:
+    """One step's inputs; tensors are views of the batch's buffers (valid until the next prepare)."""
+
+    req_ids: list[str]
+    num_tokens: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    decode_block_tables: torch.Tensor
+    decode_seq_lens: torch.Tensor
+    prefills: list[tuple[int, int, int]]
+    prefill_block_ids: list[torch.Tensor]
+    logits_indices: torch.Tensor
+    sample_rows: list[int]  # rows of req_ids that produce a token this step
+
+
+class InputBatch:
+    def __init__(
+        self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int
+    ) -> None:
+        self.block_size = block_size
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64)
+        self.positions = torch.zeros(max_num_tokens, dtype=torch.int64)
+        self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int64)
+        self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int64)
+        self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int64)
+        self.logits_indices = torch.zeros(max_num_seqs, dtype=torch.int64)
+
+    def update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        for rid in so.preempted_req_ids:
+            if rid in self.requests:
+                self.requests[rid].block_ids = []
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id,
+                list(new.prompt_token_ids),
+                new.sampling_params,
+                list(new.block_ids),
+                new.num_computed_tokens,
+            )
+        c = so.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            st = self.requests.get(rid)
+            if st is None:
+                raise ProtocolError(
+                    f"scheduler output names cached request {rid!r}, which this worker never saw"
+                )
+            st.num_computed_tokens = c.num_computed_tokens[i]
+            if c.resumed_from_preemption[i]:
+                st.block_ids = list(c.new_block_ids[i])
+            else:
+                st.block_ids.extend(c.new_block_ids[i])
+            st.token_ids.extend(c.new_token_ids[i])
+
+    def prepare(self, so: SchedulerOutput) -> PreparedBatch:
+        sched = so.num_scheduled_tokens
+        if len(sched) > self.max_num_seqs or so.total_num_scheduled_tokens > self.max_num_tokens:
+            raise ProtocolError(
+                f"step schedules {len(sched)} requests / {so.total_num_scheduled_tokens} tokens, over "
+                f"max_num_seqs={self.max_num_seqs} / max_num_batched_tokens={self.max_num_tokens}"
+            )
+        order = [r for r, n in sched.items() if n == 1] + [r for r, n in sched.items() if n > 1]
+        ids, pos, slots = self.input_ids.numpy(), self.positions.numpy(), self.slot_mapping.numpy()
+        tables, seq_lens, logits_idx = (
+            self.block_tables.numpy(),
+            self.seq_lens.numpy(),
+            self.logits_indices.numpy(),
+        )
+        bs = self.block_size
+        t = 0
+        num_decodes = sum(1 for n in sched.values() if n == 1)
+        max_blocks = 1
+        prefills: list[tuple[int, int, int]] = []
+        prefill_blocks: list[torch.Tensor] = []
+        sample_rows: list[int] = []
+        for row, rid in enumerate(order):
+            st = self.requests.get(rid)
+            if st is None:
+                raise ProtocolError(f"request {rid!r} is scheduled but unknown to this worker")
+            c, n = st.num_computed_tokens, sched[rid]
+            end = c + n
+            need = -(-end // bs)
+            if end > len(st.token_ids) or need > len(st.block_ids) or need > self.max_blocks_per_seq:
+                raise ProtocolError(
+                    f"request {rid!r}: {n} tokens scheduled after {c} computed, but it has "
+                    f"{len(st.token_ids)} tokens and {len(st.block_ids)} blocks of {bs}"
+                )
+            ids[t : t + n] = st.token_ids[c:end]
+            if n == 1:
+                pos[t] = c
+                slots[t] = st.block_ids[c // bs] * bs + c % bs
+                tables[row, :need] = st.block_ids[:need]
+                seq_lens[row] = end
+                max_blocks = max(max_blocks, need)
+            else:
+                p = np.arange(c, end)
+                pos[t : t + n] = p
+                slots[t : t + n] = np.asarray(st.block_ids[:need], dtype=np.int64)[p // bs] * bs + p % bs
+                prefills.append((t, n, end))
+                prefill_blocks.append(torch.tensor(st.block_ids[:need], dtype=torch.int64))
+            if end == len(st.token_ids):
+                logits_idx[len(sample_rows)] = t + n - 1
+                sample_rows.append(row)
+            t += n
+        for row in range(num_decodes):  # padded table entries point at block 0; they are masked
+            tables[row, -(-int(seq_lens[row]) // bs) : max_blocks] = 0
+        return PreparedBatch(
+            order,
+            t,
+            self.input_ids[:t],
+            self.positions[:t],
+            self.slot_mapping[:t],
+            num_decodes,
+            self.block_tables[:num_decodes, :max_blocks],
+            self.seq_lens[:num_decodes],
+            prefills,
+            prefill_blocks,
+            self.logits_indices[: len(sample_rows)],
+            sample_rows,
+        )
+
+    def append_sampled(self, req_ids: list[str], tokens: list[int]) -> None:
+        for rid, tok in zip(req_ids, tokens, strict=True):
+            self.requests[rid].token_ids.append(tok)

@@ -1,0 +1,214 @@
+"""`ModelRunner`: a transformers causal LM on asyncexec's paged KV cache.
+
+One step: `InputBatch.update_states` (deltas) -> `_prepare_inputs` (flat inputs in preallocated buffers)
+-> CUDA-graph replay for a uniform decode batch that fits a captured size, else the eager forward ->
+sample -> `ModelRunnerOutput`.
+
+The forward is one flattened call: `input_ids [1, T]`, explicit `position_ids [1, T]` (RoPE and GPT-2's
+absolute positions need them), `use_cache=False` (no DynamicCache), `logits_to_keep` = the last token of
+every row that samples, and the step's `AttentionMetadata` as a kwarg that reaches every layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any
+
+import torch
+
+from asyncexec.config import EngineConfig
+from asyncexec.errors import ConfigError
+from asyncexec.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
+from asyncexec.worker.attention import AttentionMetadata, register_attention
+from asyncexec.worker.input_batch import InputBatch, PreparedBatch
+from asyncexec.worker.sampler import Sampler
+
+__all__ = ["ModelRunner"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_max_len(hf_config: Any) -> int:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ConfigError(f"cannot tell the context length of {type(hf_config).__name__}; set max_model_len")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device, world_size: int) -> None:
+        self.config = config
+        self.device = device
+        self.world_size = world_size
+        self.model: Any = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_spec: dict[int, tuple[int, int, torch.dtype]] = {}
+        self.sampler = Sampler(config.seed)
+        self.graphs: Any = None
+
+    # ----- loading --------------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        path = self.config.model
+        assert path is not None
+        if not os.path.isdir(path):
+            raise ConfigError(f"model folder {path!r} does not exist (asyncexec loads local folders only)")
+        hf_config = transformers.AutoConfig.from_pretrained(path)
+        arch = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
+        model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
+        if model_cls is None or not getattr(model_cls, "_supports_attention_backend", False):
+            raise ConfigError(
+                f"{arch} cannot run on asyncexec: its transformers implementation does not call the "
+                "attention interface, so the paged KV cache cannot be plugged in"
+            )
+        if self.world_size > 1 and not getattr(hf_config, "base_model_tp_plan", None):
+            raise ConfigError(
+                f"{arch} cannot be split over {self.world_size} ranks: transformers has no tensor-parallel "
+                "plan for it (base_model_tp_plan is empty); use tensor_parallel_size=1"
+            )
+        self.hf_config = hf_config
+        self.arch = arch
+        self.max_model_len = self.config.max_model_len or model_max_len(hf_config)
+        if self.max_model_len > model_max_len(hf_config):
+            raise ConfigError(
+                f"max_model_len={self.max_model_len} exceeds {arch}'s {model_max_len(hf_config)}"
+            )
+        self.dtype = self._dtype(hf_config)
+        kwargs: dict[str, Any] = {"dtype": self.dtype, "attn_implementation": register_attention()}
+        if self.world_size > 1:  # transformers' own tensor parallelism: its tp plan, our process group
+            try:
+                from transformers.distributed import DistributedConfig
+
+                kwargs["distributed_config"] = DistributedConfig(tp_size=self.world_size)
+            except ImportError:  # transformers < 4.54
+                kwargs["tp_plan"] = "auto"
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        if self.world_size == 1:
+            self.model.to(self.device)
+        self.model.eval()
+        bs = self.config.block_size
+        self.input_batch = InputBatch(
+            self.config.max_num_batched_tokens,
+            self.config.max_num_seqs,
+            math.ceil(self.max_model_len / bs),
+            bs,
+        )
+
+    def _dtype(self, hf_config: Any) -> torch.dtype:
+        if self.config.dtype != "auto":
+            return _DTYPES[self.config.dtype]
+        found = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(found, str):
+            found = _DTYPES.get(found)
+        return found if isinstance(found, torch.dtype) else torch.float32
+
+    # ----- memory ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A dummy forward at `max_num_batched_tokens`; records the KV shapes each layer sees."""
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        md = AttentionMetadata([], torch.empty(0, dtype=torch.int64), 0, torch.empty(0), torch.empty(0))
+        md.profiling = True
+        ids = torch.zeros(1, n, dtype=torch.int64, device=self.device)
+        pos = torch.arange(n, device=self.device)[None]
+        self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, attn_metadata=md)
+        if md.calls == 0:
+            raise ConfigError(
+                f"{self.arch} never called the registered attention function; it cannot run here"
+            )
+        self.kv_spec = dict(sorted(md.seen.items()))
+
+    def kv_cache_block_bytes(self) -> int:
+        """Bytes of one block across all layers, K and V, on this rank."""
+        bs = self.config.block_size
+        return sum(
+            2 * bs * h * d * torch.empty(0, dtype=dt).element_size() for h, d, dt in self.kv_spec.values()
+        )
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        if not self.kv_spec:
+            raise RuntimeError("profile_run must run before the KV cache is allocated")
+        bs = self.config.block_size
+        # One block more than the scheduler may use: the null block, where padded graph rows write.
+        self.kv_caches = [
+            (
+                torch.zeros(num_blocks + 1, bs, h, d, dtype=dt, device=self.device),
+                torch.zeros(num_blocks + 1, bs, h, d, dtype=dt, device=self.device),
+            )
+            for h, d, dt in self.kv_spec.values()
+        ]
+        self.num_blocks = num_blocks
+        self.null_block = num_blocks
+        logger.info("allocated %d KV blocks of %d tokens (%.1f MiB)", num_blocks, bs,
+                    num_blocks * self.kv_cache_block_bytes() / 2**20)  # fmt: skip
+
+    # ----- the step -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if not self.kv_caches:
+            raise RuntimeError("the KV cache is not initialized: call initialize_kv_cache first")
+        self.input_batch.update_states(so)
+        if not so.num_scheduled_tokens:
+            return ModelRunnerOutput([], [])
+        batch = self._prepare_inputs(so)
+        logits = self._forward(batch)
+        rows = batch.sample_rows
+        states = [self.input_batch.requests[batch.req_ids[r]] for r in rows]
+        sampled, logprobs = self.sampler(
+            logits, [s.sampling_params for s in states], [len(s.token_ids) for s in states]
+        )
+        self.input_batch.append_sampled([batch.req_ids[r] for r in rows], sampled)
+        per_row: list[list[int]] = [[] for _ in batch.req_ids]
+        for r, tok in zip(rows, sampled, strict=True):
+            per_row[r] = [tok]
+        return ModelRunnerOutput(batch.req_ids, per_row, _align(logprobs, rows, len(batch.req_ids)))
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> PreparedBatch:
+        return self.input_batch.prepare(so)
+
+    def _forward(self, b: PreparedBatch) -> torch.Tensor:
+        if self.graphs is not None and b.num_decodes == len(b.req_ids):
+            logits: torch.Tensor | None = self.graphs.replay(b)
+            if logits is not None:
+                return logits
+        dev = self.device
+        md = AttentionMetadata(
+            self.kv_caches,
+            b.slot_mapping.to(dev, non_blocking=True),
+            b.num_decodes,
+            b.decode_block_tables.to(dev, non_blocking=True),
+            b.decode_seq_lens.to(dev, non_blocking=True),
+            b.prefills,
+            [blk.to(dev, non_blocking=True) for blk in b.prefill_block_ids],
+        )
+        out = self.model(
+            input_ids=b.input_ids.to(dev, non_blocking=True)[None],
+            position_ids=b.positions.to(dev, non_blocking=True)[None],
+            use_cache=False,
+            logits_to_keep=b.logits_indices.to(dev, non_blocking=True),
+            attn_metadata=md,
+        )
+        result: torch.Tensor = out.logits[0]
+        return result
+
+
+def _align(lp: Logprobs | None, rows: list[int], n: int) -> Logprobs | None:
+    """Spread per-sampled-row logprobs over all `n` rows (empty where a row sampled nothing)."""
+    if lp is None:
+        return None
+    ids: list[list[int]] = [[] for _ in range(n)]
+    vals: list[list[float]] = [[] for _ in range(n)]
+    ranks = [0] * n
+    for i, r in enumerate(rows):
+        ids[r], vals[r], ranks[r] = lp.token_ids[i], lp.logprobs[i], lp.sampled_token_ranks[i]
+    return Logprobs(ids, vals, ranks)

@@ -1,0 +1,85 @@
+"""Sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, top-n logprobs.
+
+Every rank runs the same code on the same logits, so every rank samples the same tokens. A seeded
+request draws from a generator seeded by `(seed, position)`: its tokens are the same on every rank, on
+every run, and after a preemption or a restart, whatever else shares the batch. Unseeded requests draw
+from the worker's generator, seeded from `config.seed` at start-up.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncexec.messages import Logprobs
+from asyncexec.sampling_params import SamplingParams
+
+__all__ = ["Sampler"]
+
+_MIX = 0x9E3779B97F4A7C15
+
+
+def _position_seed(seed: int, position: int) -> int:
+    return ((seed * _MIX) ^ (position * 0xBF58476D1CE4E5B9)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+    ) -> tuple[list[int], Logprobs | None]:
+        """Sample one token per row of `logits [N, V]`; `positions[i]` is the index of row i's new token."""
+        logits = logits.float().cpu()
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows)
+            probs = self._probs(logits[rows], [params[i] for i in random_rows])
+            tokens[rows] = self._draw(
+                probs, [params[i] for i in random_rows], [positions[i] for i in random_rows]
+            )
+        sampled = tokens.tolist()
+        n = max((p.logprobs or 0 for p in params if p.logprobs is not None), default=-1)
+        return sampled, (self._logprobs(logits, tokens, n) if n >= 0 else None)
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        temp = torch.tensor([p.temperature for p in params])[:, None]
+        logits = logits / temp
+        vocab = logits.shape[-1]
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+        top_p = torch.tensor([p.top_p for p in params])
+        min_p = torch.tensor([p.min_p for p in params])
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab)[None, :]
+        drop = ranks >= top_k[:, None]
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]  # keep the first past top_p
+        drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+        return filtered.softmax(dim=-1)
+
+    def _draw(self, probs: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
+        """Exponential race: argmax(p / E) with E ~ Exp(1) samples from p."""
+        noise = torch.empty_like(probs)
+        for i, (p, pos) in enumerate(zip(params, positions, strict=True)):
+            gen = (
+                self.generator
+                if p.seed is None
+                else torch.Generator().manual_seed(_position_seed(p.seed, pos))
+            )
+            noise[i].exponential_(generator=gen)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> Logprobs:
+        logp = logits.log_softmax(dim=-1)
+        chosen = logp.gather(1, tokens[:, None])
+        ranks = (logp > chosen).sum(dim=-1) + 1
+        top = logp.topk(n, dim=-1) if n > 0 else None
+        ids = tokens[:, None] if top is None else torch.cat([tokens[:, None], top.indices], dim=1)
+        vals = chosen if top is None else torch.cat([chosen, top.values], dim=1)
+        return Logprobs(ids.tolist(), vals.tolist(), ranks.tolist())

@@ -1,0 +1,112 @@
+"""Token-for-token equality with `model.generate(do_sample=False)` through the executor and the worker.
+
+Each case drives real `SchedulerOutput`s (tests/worker/driver.py) through mixed prompt lengths, a small
+token budget (chunked prefill, steps that mix prefill and decode), requests that join mid-stream and
+finish early (their blocks are reused), and a preempted-and-resumed request.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from asyncexec import EngineConfig, Executor, SamplingParams, WorkerStartupError
+from asyncexec.config import ExecutorKind
+from tests.worker.conftest import hf_greedy
+from tests.worker.driver import Driver, Req
+
+BLOCK = 4
+CASES: list[tuple[str, ExecutorKind, int]] = [
+    ("llama", "uni", 1),
+    ("qwen2", "uni", 1),
+    ("mistral", "uni", 1),
+    ("gpt2", "uni", 1),
+    ("llama", "mp", 1),
+    ("llama", "mp", 2),
+    ("qwen2", "mp", 2),
+    ("mistral", "mp", 2),
+]
+
+
+def workload(seed: int) -> list[Req]:
+    rng = random.Random(seed)
+    greedy = SamplingParams(temperature=0.0)
+    lengths = [1, 3, BLOCK, 2 * BLOCK, 2 * BLOCK + 1, 13, 29, 40]
+    reqs = []
+    for i, n in enumerate(lengths):
+        prompt = [rng.randrange(256) for _ in range(n)]
+        reqs.append(Req(f"r{i}", prompt, rng.choice([3, 6, 10]), greedy, arrive=rng.choice([0, 0, 2, 5])))
+    reqs[5].max_tokens, reqs[5].preempt_at = (
+        10,
+        3,
+    )  # preempted after its first tokens, then recomputed from scratch
+    return reqs
+
+
+def config(path: Path, kind: ExecutorKind, ranks: int, **kw: object) -> EngineConfig:
+    fields: dict[str, object] = {
+        "block_size": BLOCK,
+        "max_num_batched_tokens": 16,
+        "max_num_seqs": 8,
+        "kv_cache_memory_bytes": 1 << 20,
+        "check_rank_agreement": ranks > 1,
+    }
+    fields.update(kw)
+    return EngineConfig(model=str(path), executor=kind, tensor_parallel_size=ranks, **fields)  # type: ignore[arg-type]
+
+
+async def start_with_cache(cfg: EngineConfig) -> tuple[Executor, int]:
+    ex = Executor.create(cfg)
+    await ex.start()
+    block_bytes = max(await ex.collective_rpc("get_kv_cache_block_bytes"))
+    num_blocks = await ex.determine_available_memory() // block_bytes
+    await ex.initialize_kv_cache(num_blocks)
+    return ex, num_blocks
+
+
+@pytest.mark.parametrize(("arch", "kind", "ranks"), CASES, ids=[f"{a}-{k}{n}" for a, k, n in CASES])
+async def test_greedy_equals_hf_generate(
+    tiny_models: dict[str, Path], arch: str, kind: ExecutorKind, ranks: int
+) -> None:
+    reqs = workload(seed=len(arch))
+    refs = hf_greedy(
+        tiny_models[arch], [r.prompt for r in reqs], max_new_tokens=max(r.max_tokens for r in reqs)
+    )
+    ex, num_blocks = await start_with_cache(config(tiny_models[arch], kind, ranks))
+    try:
+        driver = Driver(
+            ex, num_blocks=24, block_size=BLOCK, budget=16, max_seqs=8
+        )  # 24 blocks: reuse is forced
+        for r in reqs:
+            driver.add(r)
+        got = await driver.run()
+    finally:
+        await ex.shutdown()
+    assert num_blocks >= 24
+    assert driver.max_blocks_in_use <= 24
+    assert driver.num_preemptions == 1 and driver.mixed_steps > 0 and driver.chunked > 0
+    for r, ref in zip(reqs, refs, strict=True):
+        want = ref[: r.max_tokens]
+        assert got[r.req_id][: len(want)] == want, f"{r.req_id} (prompt of {len(r.prompt)} tokens) diverged"
+
+
+async def test_gpt2_with_two_ranks_fails_at_start_naming_the_architecture(
+    tiny_models: dict[str, Path],
+) -> None:
+    ex = Executor.create(config(tiny_models["gpt2"], "mp", 2))
+    with pytest.raises(
+        WorkerStartupError, match=r"GPT2LMHeadModel cannot be split over 2 ranks.*tensor-parallel"
+    ):
+        await ex.start()
+
+
+async def test_an_architecture_without_the_attention_interface_is_refused(tmp_path: Path) -> None:
+    from transformers import FalconConfig, FalconForCausalLM
+
+    cfg = FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
+    FalconForCausalLM(cfg).save_pretrained(tmp_path / "falcon")
+    ex = Executor.create(config(tmp_path / "falcon", "uni", 1))
+    with pytest.raises(WorkerStartupError, match="FalconForCausalLM cannot run on asyncexec"):
+        await ex.start()

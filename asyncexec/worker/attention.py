@@ -5,9 +5,11 @@ once per layer with `query [1, H, T, D]` and `key`/`value [1, Hkv, T, D]` (RoPE 
 flattened batch of T tokens. The step's `AttentionMetadata` arrives as the `attn_metadata` forward kwarg
 (never a module global), and `module.layer_idx` picks the layer's cache.
 
-KV cache, per layer: K and V of shape `[num_blocks, block_size, Hkv, D]`. Token t of a sequence lives in
-slot `block_ids[t // block_size] * block_size + t % block_size`; the flat view `[num_blocks * block_size,
-Hkv, D]` is written through `slot_mapping` before attending, so a chunk sees its own keys.
+KV cache, per layer: K and V of shape `[num_blocks, block_size, Hkv, D]`; block 0 is the null
+block, which the scheduler never allocates (padded rows of a CUDA-graph batch write there). Token t of
+a sequence lives in slot `block_ids[t // block_size] * block_size + t % block_size`; the flat view
+`[num_blocks * block_size, Hkv, D]` is written through `slot_mapping` before attending, so a chunk sees
+its own keys.
 
 Batch layout: the first `num_decodes` rows have one query token each and are attended in one padded,
 masked SDPA over their block tables (static shapes, so it is also what a CUDA graph captures); the

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncexec.worker.attention import AttentionMetadata
+from asyncexec.worker.model_runner import NULL_BLOCK
 
 if TYPE_CHECKING:
     from asyncexec.worker.input_batch import PreparedBatch
@@ -32,7 +33,7 @@ class CUDAGraphRunner:
         dev = runner.device
         max_b = max(sizes)
         self.runner = runner
-        self.null_block = runner.null_block
+        self.null_block = NULL_BLOCK
         self.input_ids = torch.zeros(max_b, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_b, dtype=torch.int64, device=dev)
         self.slots = torch.full(

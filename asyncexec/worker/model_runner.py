@@ -25,7 +25,10 @@ from asyncexec.worker.attention import AttentionMetadata, register_attention
 from asyncexec.worker.input_batch import InputBatch, PreparedBatch
 from asyncexec.worker.sampler import Sampler
 
-__all__ = ["ModelRunner"]
+__all__ = ["NULL_BLOCK", "ModelRunner"]
+
+# vLLM's convention: block 0 is never handed out by the scheduler. Padded CUDA-graph rows write there.
+NULL_BLOCK = 0
 
 logger = logging.getLogger(__name__)
 
@@ -137,17 +140,19 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         if not self.kv_spec:
             raise RuntimeError("profile_run must run before the KV cache is allocated")
+        if num_blocks < 2:
+            raise ValueError(
+                f"the KV cache needs at least 2 blocks (block 0 is the null block), got {num_blocks}"
+            )
         bs = self.config.block_size
-        # One block more than the scheduler may use: the null block, where padded graph rows write.
         self.kv_caches = [
             (
-                torch.zeros(num_blocks + 1, bs, h, d, dtype=dt, device=self.device),
-                torch.zeros(num_blocks + 1, bs, h, d, dtype=dt, device=self.device),
+                torch.zeros(num_blocks, bs, h, d, dtype=dt, device=self.device),
+                torch.zeros(num_blocks, bs, h, d, dtype=dt, device=self.device),
             )
             for h, d, dt in self.kv_spec.values()
         ]
         self.num_blocks = num_blocks
-        self.null_block = num_blocks
         logger.info("allocated %d KV blocks of %d tokens (%.1f MiB)", num_blocks, bs,
                     num_blocks * self.kv_cache_block_bytes() / 2**20)  # fmt: skip
 

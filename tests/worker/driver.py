@@ -35,7 +35,7 @@ class Req:
 class Driver:
     def __init__(self, executor: Executor, num_blocks: int, block_size: int, budget: int, max_seqs: int = 64):
         self.ex = executor
-        self.free = list(range(num_blocks))
+        self.free = list(range(1, num_blocks))  # block 0 is the null block
         self.bs = block_size
         self.budget = budget
         self.max_seqs = max_seqs

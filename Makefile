@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(BIN)/python scripts/bench_ipc.py --quick
+	$(BIN)/python scripts/demo.py
 
 test: setup
 	$(BIN)/python -m pytest -q

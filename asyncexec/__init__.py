@@ -1,6 +1,7 @@
 """asyncexec: an asyncio-native execution runtime for LLM inference."""
 
 from asyncexec.config import EngineConfig
+from asyncexec.engine import AsyncEngine
 from asyncexec.errors import (
     AsyncExecError,
     ConfigError,
@@ -20,11 +21,13 @@ from asyncexec.messages import (
     NewRequestData,
     SchedulerOutput,
 )
+from asyncexec.outputs import RequestOutput
 from asyncexec.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncEngine",
     "AsyncExecError",
     "CachedRequestData",
     "ConfigError",
@@ -38,6 +41,7 @@ __all__ = [
     "MultiProcExecutor",
     "NewRequestData",
     "ProtocolError",
+    "RequestOutput",
     "SamplingParams",
     "SchedulerOutput",
     "UniProcExecutor",

@@ -60,6 +60,8 @@ class EngineConfig:
             steps of 8 up to `max_num_seqs`.
         seed: seeds every rank's generators; ranks sample identically.
         check_rank_agreement: debug mode: `execute_model` checks that every rank sampled the same.
+        enable_prefix_caching: share the KV blocks of equal prompt prefixes between requests.
+        max_waiting_requests: `add_request` raises `EngineOverloadedError` beyond this many queued.
     """
 
     model: str | None = None
@@ -82,6 +84,8 @@ class EngineConfig:
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     seed: int = 0
     check_rank_agreement: bool = False
+    enable_prefix_caching: bool = True
+    max_waiting_requests: int = 1024
 
     def __post_init__(self) -> None:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
@@ -104,7 +108,7 @@ class EngineConfig:
         _check_positive("worker_start_timeout_s", self.worker_start_timeout_s)
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "seed"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "seed"):
             _check_int(name, getattr(self, name), minimum=1 if name != "seed" else 0)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, minimum=1)

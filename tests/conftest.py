@@ -1,15 +1,18 @@
-"""Suite-wide fixtures: every test must leave no child process and no asyncexec segment behind."""
+"""Suite-wide fixtures: no leaked process or segment, and tiny random models with their HF references."""
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from asyncexec.ipc.shm import SHM_DIR
+from asyncexec.models import ARCHS, make_tiny_model
 
 
 def asyncexec_segments() -> set[str]:
@@ -39,3 +42,23 @@ def no_leaks() -> Iterator[None]:
         os.unlink(os.path.join(SHM_DIR, name))
     assert not left, f"test left child processes behind: {[(p.pid, p.cmdline()) for p in left]}"
     assert not leaked, f"test left shared-memory segments behind: {sorted(leaked)}"
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {arch: make_tiny_model(root / arch, arch) for arch in ARCHS}
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int | Sequence[int]) -> list[list[int]]:
+    """`model.generate(do_sample=False)` in float32, one prompt at a time (it stops at EOS)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    refs = []
+    limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    for p, limit in zip(prompts, limits, strict=True):
+        ids = torch.tensor([p])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=limit, do_sample=False)
+        refs.append(out[0, len(p) :].tolist())
+    return refs

@@ -70,6 +70,8 @@ class Worker:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
+            if self.world_size > 1:  # ranks share the cores: oversubscribed threads stall every collective
+                torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // self.world_size))
         if self.world_size > 1:
             import torch.distributed as dist
 

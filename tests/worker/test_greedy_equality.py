@@ -14,7 +14,7 @@ import pytest
 
 from asyncexec import EngineConfig, Executor, SamplingParams, WorkerStartupError
 from asyncexec.config import ExecutorKind
-from tests.worker.conftest import hf_greedy
+from tests.conftest import hf_greedy
 from tests.worker.driver import Driver, Req
 
 BLOCK = 4

@@ -1,0 +1,213 @@
+"""AsyncEngine end to end: greedy equality, prefix caching, preemption, aborts, bad input, dead workers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncexec import (
+    AsyncEngine,
+    EngineConfig,
+    EngineOverloadedError,
+    ExecutorClosedError,
+    InvalidRequestError,
+    RequestOutput,
+    SamplingParams,
+    WorkerDiedError,
+)
+from asyncexec.config import ExecutorKind
+from tests.conftest import hf_greedy
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def engine_config(path: Path, kind: ExecutorKind = "uni", ranks: int = 1, **kw: object) -> EngineConfig:
+    fields: dict[str, object] = {
+        "block_size": 4,
+        "max_num_batched_tokens": 48,
+        "max_num_seqs": 16,
+        "kv_cache_memory_bytes": 4 << 20,
+    }
+    fields.update(kw)
+    return EngineConfig(model=str(path), executor=kind, tensor_parallel_size=ranks, **fields)  # type: ignore[arg-type]
+
+
+def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(256) for _ in range(rng.randrange(1, 60))], rng.randrange(1, 24)) for _ in range(n)
+    ]
+
+
+async def collect(engine: AsyncEngine, prompt: list[int] | str, sp: SamplingParams) -> RequestOutput:
+    last = None
+    async for out in engine.generate(prompt, sp):
+        last = out
+    assert last is not None and last.finished
+    return last
+
+
+async def run_all(engine: AsyncEngine, work: list[tuple[list[int], int]]) -> list[list[int]]:
+    outs = await asyncio.gather(
+        *(collect(engine, p, SamplingParams(temperature=0.0, max_tokens=m)) for p, m in work)
+    )
+    return [o.token_ids for o in outs]
+
+
+CASES: list[tuple[ExecutorKind, int]] = [("uni", 1), ("mp", 1), ("mp", 2)]
+
+
+@pytest.mark.parametrize(("kind", "ranks"), CASES, ids=[f"{k}{n}" for k, n in CASES])
+async def test_32_concurrent_requests_equal_hf_generate(
+    tiny_models: dict[str, Path], kind: ExecutorKind, ranks: int
+) -> None:
+    work = workload(32)
+    refs = hf_greedy(tiny_models["llama"], [p for p, _ in work], [m for _, m in work])
+    async with AsyncEngine(engine_config(tiny_models["llama"], kind, ranks)) as engine:
+        got = await run_all(engine, work)
+        assert not engine.has_unfinished_requests()
+    assert got == refs
+
+
+async def test_prefix_is_computed_once_and_outputs_are_unchanged(tiny_models: dict[str, Path]) -> None:
+    prefix = list(range(10, 42))  # 32 tokens: 8 full blocks of 4
+    prompts = [[*prefix, 1, 2, 3], [*prefix, 7, 8]]
+    refs = hf_greedy(tiny_models["llama"], prompts, 8)
+    async with AsyncEngine(engine_config(tiny_models["llama"])) as engine:
+        assert engine.scheduler is not None
+        first = await collect(engine, prompts[0], SamplingParams(temperature=0.0, max_tokens=8))
+        stats = engine.scheduler.kv.stats
+        assert stats.hits == 0
+        second = await collect(engine, prompts[1], SamplingParams(temperature=0.0, max_tokens=8))
+        assert stats.hits == 32, "the shared 8 blocks must come from the cache"
+        assert stats.queries == len(prompts[0]) + len(prompts[1])
+    assert [first.token_ids, second.token_ids] == refs
+
+
+async def test_preemption_under_a_small_cache_keeps_outputs(tiny_models: dict[str, Path]) -> None:
+    work = workload(12, seed=3)
+    refs = hf_greedy(tiny_models["llama"], [p for p, _ in work], [m for _, m in work])
+    # 2 layers x K,V x 4 tokens x 2 heads x 16 dims x 4 bytes = 2 KiB a block: 40 blocks in all
+    cfg = engine_config(tiny_models["llama"], kv_cache_memory_bytes=40 * 2048, enable_prefix_caching=False)
+    async with AsyncEngine(cfg) as engine:
+        assert engine.scheduler is not None and engine.num_blocks == 40
+        got = await run_all(engine, work)
+        assert engine.scheduler.num_preemptions > 0
+    assert got == refs
+
+
+async def test_abort_and_cancellation_free_every_block(tiny_models: dict[str, Path]) -> None:
+    async with AsyncEngine(engine_config(tiny_models["llama"])) as engine:
+        sched = engine.scheduler
+        assert sched is not None
+        long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+        async def take(n: int) -> None:
+            async for out in engine.generate(list(range(30)), long):
+                if len(out.token_ids) >= n:
+                    break  # leaving the loop early aborts
+
+        cancelled = asyncio.ensure_future(collect(engine, list(range(40)), long))
+        gen = engine.generate(list(range(20)), long)
+        await gen.__anext__()
+        await take(3)
+        await asyncio.sleep(0.05)
+        cancelled.cancel()
+        await gen.aclose()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        rid = engine.add_request([5, 6, 7], long)
+        await engine.step()
+        engine.abort(rid)
+        for _ in range(5):
+            if not sched.has_work():
+                break
+            await engine.step()
+        await asyncio.sleep(0)
+        assert not engine.has_unfinished_requests()
+        assert sched.kv.pool.num_free == sched.kv.pool.num_usable, "every block is back in the pool"
+
+
+async def test_invalid_requests_raise_and_the_engine_keeps_serving(tiny_models: dict[str, Path]) -> None:
+    cfg = engine_config(tiny_models["llama"], max_model_len=64, max_waiting_requests=3)
+    async with AsyncEngine(cfg) as engine:
+        cases = [
+            ([], "prompt is empty"),
+            ("", "prompt is empty"),
+            (list(range(64)), "max_model_len"),
+            ([1, 2, 10_000], r"token ids must be integers in \[0, 259\)"),
+            ([1, -1], "token ids"),
+            (3.5, "prompt must be"),
+        ]
+        for prompt, match in cases:
+            with pytest.raises(InvalidRequestError, match=match):
+                engine.add_request(prompt)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError, match="sampling_params"):
+            engine.add_request([1], {"temperature": 0})  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError, match="top_p"):
+            engine.add_request([1], SamplingParams(top_p=2.0))
+        engine.add_request([1, 2], GREEDY, request_id="dup")
+        with pytest.raises(InvalidRequestError, match="'dup' is already in use"):
+            engine.add_request([1, 2], GREEDY, request_id="dup")
+        engine.add_request([3], GREEDY)
+        engine.add_request([4], GREEDY)
+        with pytest.raises(EngineOverloadedError, match="max_waiting_requests=3"):
+            engine.add_request([5], GREEDY)
+        while engine.has_unfinished_requests():
+            await engine.step()
+        out = await collect(engine, "hello", SamplingParams(temperature=0.0, max_tokens=4))
+        assert out.finish_reason in ("stop", "length") and out.text is not None
+
+
+async def test_step_returns_outputs_and_stops_on_length(tiny_models: dict[str, Path]) -> None:
+    async with AsyncEngine(engine_config(tiny_models["llama"])) as engine:
+        rid = engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        seen: list[RequestOutput] = []
+        while engine.has_unfinished_requests():
+            seen += await engine.step()
+        assert [o.request_id for o in seen] == [rid] * 3
+        assert [len(o.new_token_ids) for o in seen] == [1, 1, 1]
+        assert seen[-1].finished and seen[-1].finish_reason == "length" and len(seen[-1].token_ids) == 3
+
+
+async def test_direct_steps_and_the_background_loop_are_serialized(tiny_models: dict[str, Path]) -> None:
+    work = workload(6, seed=5)
+    refs = hf_greedy(tiny_models["llama"], [p for p, _ in work], [m for _, m in work])
+    async with AsyncEngine(engine_config(tiny_models["llama"])) as engine:
+        streams = asyncio.ensure_future(run_all(engine, work))
+        for _ in range(20):
+            await engine.step()
+        assert await streams == refs
+
+
+async def test_dead_worker_reaches_every_generate_caller(tiny_models: dict[str, Path]) -> None:
+    async with AsyncEngine(engine_config(tiny_models["llama"], "mp", 2)) as engine:
+        long = SamplingParams(temperature=0.0, max_tokens=100_000 // 1000, ignore_eos=True)
+        pids = await engine.collective_rpc("get_model_info")
+        assert len(pids) == 2
+        tasks = [asyncio.ensure_future(collect(engine, list(range(i + 5)), long)) for i in range(4)]
+        await asyncio.sleep(0.3)
+        assert engine.executor is not None
+        victim = engine.executor._procs[1].pid  # type: ignore[attr-defined]
+        start = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert time.monotonic() - start < 1.0
+        assert all(isinstance(r, WorkerDiedError) and r.rank == 1 for r in results), results
+        with pytest.raises(ExecutorClosedError):
+            engine.add_request([1, 2])
+
+
+async def test_two_engines_share_a_loop(tiny_models: dict[str, Path]) -> None:
+    a = AsyncEngine(engine_config(tiny_models["llama"]))
+    b = AsyncEngine(engine_config(tiny_models["qwen2"]))
+    async with a, b:
+        ra, rb = await asyncio.gather(collect(a, [1, 2, 3], GREEDY), collect(b, [1, 2, 3], GREEDY))
+    assert ra.token_ids == hf_greedy(tiny_models["llama"], [[1, 2, 3]], 16)[0]
+    assert rb.token_ids == hf_greedy(tiny_models["qwen2"], [[1, 2, 3]], 16)[0]

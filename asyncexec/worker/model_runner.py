@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ class ModelRunner:
         self.kv_spec: dict[int, tuple[int, int, torch.dtype]] = {}
         self.sampler = Sampler(config.seed)
         self.graphs: Any = None
+        self.stats = {"steps": 0, "forward_s": 0.0, "execute_s": 0.0}
 
     # ----- loading --------------------------------------------------------------------------------
 
@@ -162,11 +164,16 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if not self.kv_caches:
             raise RuntimeError("the KV cache is not initialized: call initialize_kv_cache first")
+        start = time.perf_counter()
         self.input_batch.update_states(so)
         if not so.num_scheduled_tokens:
             return ModelRunnerOutput([], [])
         batch = self._prepare_inputs(so)
+        t = time.perf_counter()
         logits = self._forward(batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stats["forward_s"] += time.perf_counter() - t
         rows = batch.sample_rows
         states = [self.input_batch.requests[batch.req_ids[r]] for r in rows]
         sampled, logprobs = self.sampler(
@@ -176,6 +183,8 @@ class ModelRunner:
         per_row: list[list[int]] = [[] for _ in batch.req_ids]
         for r, tok in zip(rows, sampled, strict=True):
             per_row[r] = [tok]
+        self.stats["steps"] += 1
+        self.stats["execute_s"] += time.perf_counter() - start
         return ModelRunnerOutput(batch.req_ids, per_row, _align(logprobs, rows, len(batch.req_ids)))
 
     def _prepare_inputs(self, so: SchedulerOutput) -> PreparedBatch:

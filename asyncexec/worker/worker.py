@@ -149,6 +149,10 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._runner("execute_model").execute_model(scheduler_output)
 
+    def get_runner_stats(self) -> dict[str, float]:
+        """Cumulative step counts and times: `forward_s` is the model forward alone."""
+        return dict(self._runner("get_runner_stats").stats)
+
     def get_model_info(self) -> dict[str, Any]:
         """What the scheduler needs to know of the model."""
         runner = self._runner("get_model_info")

@@ -29,6 +29,7 @@ lint: setup
 
 bench: setup
 	$(BIN)/python scripts/bench_ipc.py
+	$(BIN)/python scripts/bench_engine.py
 
 clean:
 	rm -rf $(VENV) .cache bench-results

@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import Any
 
 from asyncexec.config import EngineConfig
+from asyncexec.detokenizer import IncrementalDetokenizer
 from asyncexec.errors import ConfigError, EngineOverloadedError, ExecutorClosedError, InvalidRequestError
 from asyncexec.executor import Executor
 from asyncexec.outputs import RequestOutput
@@ -51,6 +52,7 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._closed = False
         self._ids = itertools.count()
+        self._detok: dict[str, IncrementalDetokenizer] = {}
 
     # ----- lifecycle --------------------------------------------------------------------------------
 
@@ -183,6 +185,7 @@ class AsyncEngine:
         q = self._streams.get(request_id)
         if req is not None and q is not None:
             q.put_nowait(self._output(req, []))
+        self._detok.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_unfinished_requests()
@@ -277,7 +280,14 @@ class AsyncEngine:
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
         text = None
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            detok = self._detok.get(req.request_id)
+            if detok is None:
+                detok = self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer)
+            detok.update(req.output_token_ids)
+            if req.finish_reason is not None:
+                detok.flush(req.output_token_ids)
+                del self._detok[req.request_id]
+            text = detok.text
         return RequestOutput(
             req.request_id,
             req.prompt_token_ids,

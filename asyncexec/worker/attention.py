@@ -11,10 +11,11 @@ a sequence lives in slot `block_ids[t // block_size] * block_size + t % block_si
 `[num_blocks * block_size, Hkv, D]` is written through `slot_mapping` before attending, so a chunk sees
 its own keys.
 
-Batch layout: the first `num_decodes` rows have one query token each and are attended in one padded,
-masked SDPA over their block tables (static shapes, so it is also what a CUDA graph captures); the
-remaining rows (prefill chunks) are attended one SDPA each, with an explicit causal mask where the
-chunk does not start at position 0. `sliding_window` (Mistral, Qwen2) limits keys to the last W.
+Batch layout: the first `num_decodes` rows have one query token each, sorted by length, and are
+attended in groups of similar length, one padded, masked SDPA per group over its block tables (a CUDA
+graph captures a single group of static width); the remaining rows (prefill chunks) are attended one
+SDPA each, with an explicit causal mask where the chunk does not start at position 0.
+`sliding_window` (Mistral, Qwen2) limits keys to the last W.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class AttentionMetadata:
     # prefill rows: (first token index in the batch, query length, context length after this step)
     prefills: list[tuple[int, int, int]] = field(default_factory=list)
     prefill_block_ids: list[torch.Tensor] = field(default_factory=list)
+    # decode rows sorted by length, attended in groups: (first row, end row, blocks the group needs);
+    # None means one group over the whole padded table (static shapes, for CUDA graphs)
+    decode_buckets: list[tuple[int, int, int]] | None = None
     profiling: bool = False
     seen: dict[int, tuple[int, int, torch.dtype]] = field(default_factory=dict)
     calls: int = 0
@@ -83,17 +87,11 @@ def paged_attention(
     v_cache.view(-1, hkv, d).index_copy_(0, md.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
     parts = []
     if md.num_decodes:
-        parts.append(
-            _decode(
-                q[: md.num_decodes],
-                k_cache,
-                v_cache,
-                md.decode_block_tables,
-                md.decode_seq_lens,
-                scaling,
-                sliding_window,
+        tables, lens = md.decode_block_tables, md.decode_seq_lens
+        for s, e, width in md.decode_buckets or [(0, md.num_decodes, tables.shape[1])]:
+            parts.append(
+                _decode(q[s:e], k_cache, v_cache, tables[s:e, :width], lens[s:e], scaling, sliding_window)
             )
-        )
     for (start, n, ctx), blocks in zip(md.prefills, md.prefill_block_ids, strict=True):
         parts.append(_prefill(q[start : start + n], k_cache, v_cache, blocks, ctx, scaling, sliding_window))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -111,8 +109,9 @@ def _decode(
 ) -> torch.Tensor:
     """q [B, H, D], one token per row at position seq_len - 1; returns [B, H, D]."""
     b, hkv, d = q.shape[0], k_cache.shape[2], k_cache.shape[3]
-    k = k_cache[block_tables].view(b, -1, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
-    v = v_cache[block_tables].view(b, -1, hkv, d).transpose(1, 2)
+    idx = block_tables.reshape(-1)  # index_select copies whole blocks: about 2x faster than k_cache[idx]
+    k = k_cache.index_select(0, idx).view(b, -1, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
+    v = v_cache.index_select(0, idx).view(b, -1, hkv, d).transpose(1, 2)
     pos = torch.arange(k.shape[2], device=q.device)
     mask = pos[None, :] < seq_lens[:, None]
     if window is not None:
@@ -134,8 +133,8 @@ def _prefill(
 ) -> torch.Tensor:
     """q [n, H, D]: the last n of `ctx` positions; returns [n, H, D]."""
     n, hkv, d = q.shape[0], k_cache.shape[2], k_cache.shape[3]
-    k = k_cache[block_ids].view(-1, hkv, d)[:ctx].transpose(0, 1)  # [Hkv, ctx, D]
-    v = v_cache[block_ids].view(-1, hkv, d)[:ctx].transpose(0, 1)
+    k = k_cache.index_select(0, block_ids).view(-1, hkv, d)[:ctx].transpose(0, 1)  # [Hkv, ctx, D]
+    v = v_cache.index_select(0, block_ids).view(-1, hkv, d)[:ctx].transpose(0, 1)
     qh = q.transpose(0, 1)  # [H, n, D]
     if n == ctx and window is None:
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scaling, enable_gqa=True)

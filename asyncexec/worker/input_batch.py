@@ -20,7 +20,11 @@ from asyncexec.errors import ProtocolError
 from asyncexec.messages import SchedulerOutput
 from asyncexec.sampling_params import SamplingParams
 
-__all__ = ["CachedRequestState", "InputBatch", "PreparedBatch"]
+__all__ = ["DECODE_GROUP", "CachedRequestState", "InputBatch", "PreparedBatch"]
+
+# Decode rows are attended in groups of this many, sorted by length: padding a group only to its own
+# longest row cuts the gather and SDPA work of a batch of mixed lengths about in half (2 CPU cores).
+DECODE_GROUP = 8
 
 
 @dataclass
@@ -48,6 +52,7 @@ class PreparedBatch:
     prefill_block_ids: list[torch.Tensor]
     logits_indices: torch.Tensor
     sample_rows: list[int]  # rows of req_ids that produce a token this step
+    decode_buckets: list[tuple[int, int, int]]  # (first row, end row, blocks needed) per decode group
 
 
 class InputBatch:
@@ -101,7 +106,10 @@ class InputBatch:
                 f"step schedules {len(sched)} requests / {so.total_num_scheduled_tokens} tokens, over "
                 f"max_num_seqs={self.max_num_seqs} / max_num_batched_tokens={self.max_num_tokens}"
             )
-        order = [r for r, n in sched.items() if n == 1] + [r for r, n in sched.items() if n > 1]
+        reqs = self.requests
+        decodes = [r for r, n in sched.items() if n == 1]
+        decodes.sort(key=lambda r: reqs[r].num_computed_tokens if r in reqs else 0)
+        order = decodes + [r for r, n in sched.items() if n > 1]
         ids, pos, slots = self.input_ids.numpy(), self.positions.numpy(), self.slot_mapping.numpy()
         tables, seq_lens, logits_idx = (
             self.block_tables.numpy(),
@@ -146,6 +154,10 @@ class InputBatch:
             t += n
         for row in range(num_decodes):  # padded table entries point at block 0; they are masked
             tables[row, -(-int(seq_lens[row]) // bs) : max_blocks] = 0
+        groups = []
+        for s in range(0, num_decodes, DECODE_GROUP):
+            e = min(s + DECODE_GROUP, num_decodes)
+            groups.append((s, e, -(-int(seq_lens[e - 1]) // bs)))  # rows are sorted: the last is longest
         return PreparedBatch(
             order,
             t,
@@ -159,6 +171,7 @@ class InputBatch:
             prefill_blocks,
             self.logits_indices[: len(sample_rows)],
             sample_rows,
+            groups,
         )
 
     def append_sampled(self, req_ids: list[str], tokens: list[int]) -> None:

@@ -204,6 +204,7 @@ class ModelRunner:
             b.decode_seq_lens.to(dev, non_blocking=True),
             b.prefills,
             [blk.to(dev, non_blocking=True) for blk in b.prefill_block_ids],
+            b.decode_buckets,
         )
         out = self.model(
             input_ids=b.input_ids.to(dev, non_blocking=True)[None],

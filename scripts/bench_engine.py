@@ -6,7 +6,8 @@ submitted at once, then again with Poisson arrivals.
 Peers: asyncexec uni x1, mp x1, mp x2; HF `model.generate` in static padded batches of 16; HF's own
 continuous batching (`init_continuous_batching` manager, per-request lengths).
 Reports output tokens/s, TTFT and ITL p50/p99, engine overhead (share of step time that is not the
-model forward, at rank 0), and whether greedy outputs agree with HF. Writes JSON.
+model forward, at rank 0), and how many greedy outputs agree with HF static batching up to their first
+EOS (past it, HF's `min_new_tokens` masks EOS while `ignore_eos` samples it). Writes JSON.
 Usage: python scripts/bench_engine.py [--quick] [--json PATH]
 """
 
@@ -25,7 +26,7 @@ import torch
 import uvloop
 
 from asyncexec import AsyncEngine, EngineConfig, SamplingParams
-from asyncexec.models import PAD, make_tiny_model
+from asyncexec.models import EOS, PAD, make_tiny_model
 
 MODEL = os.path.join(".cache", "bench-llama")
 Work = list[tuple[list[int], int]]
@@ -176,13 +177,19 @@ def main() -> None:
     report(res, args.json)
 
 
+def _agree(a: list[int], b: list[int]) -> bool:
+    """Equal up to the first EOS: past it, HF's min_new_tokens (which masks EOS) and ignore_eos differ."""
+    n = a.index(EOS) if EOS in a else len(a)
+    return a[:n] == b[:n]
+
+
 def report(res: dict[str, Any], path: str) -> None:
     ref = res["hf_static"]["outputs"]
     static, cb = res["hf_static"]["tok_s"], res["hf_generate_batch"]["tok_s"]
     print(f"\n{'peer':24s} {'tok/s':>8s} {'xstatic':>8s} {'xgen_b':>7s} {'TTFT50':>7s} {'TTFT99':>7s} "
           f"{'ITL50':>6s} {'ITL99':>6s} {'ovh':>5s} {'agrees':>6s}")  # fmt: skip
     for name, r in res.items():
-        agree = sum(a == b for a, b in zip(r["outputs"], ref, strict=False)) if r["outputs"] else 0
+        agree = sum(_agree(a, b) for a, b in zip(r["outputs"], ref, strict=False)) if r["outputs"] else 0
         cols = [f"{name:24s}", f"{r['tok_s']:8.0f}", f"{r['tok_s'] / static:8.2f}", f"{r['tok_s'] / cb:7.2f}"]
         if "ttft_p50_ms" in r:
             cols += [f"{r['ttft_p50_ms']:7.0f}", f"{r['ttft_p99_ms']:7.0f}", f"{r['itl_p50_ms']:6.1f}"]

@@ -94,6 +94,11 @@ async def start(model: str, dtype: str, eager: bool, device: str) -> Executor:
     return ex
 
 
+async def start_pair(model: str, dtype: str, device: str) -> tuple[Executor, Executor]:
+    """An eager executor and a graph-capturing one on the same model."""
+    return await start(model, dtype, True, device), await start(model, dtype, False, device)
+
+
 def capture_seconds(ex: Executor) -> float:
     assert isinstance(ex, UniProcExecutor)
     runner = ex._workers[0].model_runner
@@ -106,10 +111,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     model = str(make_tiny_model(os.path.join(tempfile.mkdtemp(), "m"), "llama", **shape))
     print("model written; checking graph replay against eager (float32)", file=sys.stderr, flush=True)
     res: dict[str, Any] = {"equal": {}, "eager_ms": {}, "graph_ms": {}, "capture_s": {}}
-    eager, graph = (
-        await start(model, "float32", True, args.device),
-        await start(model, "float32", False, args.device),
-    )
+    eager, graph = await start_pair(model, "float32", args.device)
     res["capture_s"]["float32"] = capture_seconds(graph)
     for b in SIZES:
         if time.monotonic() > deadline:
@@ -121,10 +123,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     await eager.shutdown()
     await graph.shutdown()
     print("timing decode steps (bfloat16)", file=sys.stderr, flush=True)
-    eager, graph = (
-        await start(model, "bfloat16", True, args.device),
-        await start(model, "bfloat16", False, args.device),
-    )
+    eager, graph = await start_pair(model, "bfloat16", args.device)
     res["capture_s"]["bfloat16"] = capture_seconds(graph)
     for b in SIZES:
         if time.monotonic() > deadline:

@@ -1,0 +1,68 @@
+"""The block pool and prefix cache: reference counts, sharing, LRU eviction, the null block."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncexec.kv_cache import KVCacheManager
+
+BS = 4
+
+
+def test_blocks_are_allocated_grown_and_freed_and_block_0_is_never_used() -> None:
+    kv = KVCacheManager(num_blocks=6, block_size=BS, enable_prefix_caching=False)
+    assert kv.allocate_slots("a", 5) is not None and len(kv.block_ids("a")) == 2
+    assert kv.allocate_slots("a", 8) == []  # still fits in two blocks
+    assert len(kv.allocate_slots("a", 9) or []) == 1
+    assert 0 not in kv.block_ids("a")
+    assert kv.allocate_slots("b", 9) is None, "2 blocks are left, 3 are needed"
+    kv.free("a")
+    assert kv.pool.num_free == kv.pool.num_usable == 5
+
+
+def test_a_shared_prefix_is_hit_and_reference_counted() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    prefix = list(range(8))
+    a = [*prefix, 100, 101]
+    assert kv.get_computed_blocks("a", a) == 0
+    kv.allocate_slots("a", len(a))
+    kv.cache_full_blocks("a", a, num_computed=len(a))
+    b = [*prefix, 200]
+    assert kv.get_computed_blocks("b", b) == 8
+    assert kv.block_ids("b") == kv.block_ids("a")[:2]
+    kv.allocate_slots("b", len(b))
+    kv.free("a")
+    shared = kv.block_ids("b")[:2]
+    assert all(kv.pool.blocks[i].ref_cnt == 1 for i in shared), "b still holds the shared blocks"
+    kv.free("b")
+    assert kv.pool.num_free == kv.pool.num_usable
+    assert kv.get_computed_blocks("c", [*prefix, 7]) == 8, "freed blocks stay hittable until evicted"
+    assert kv.stats.hits == 16 and kv.stats.queries == len(a) + len(b) + 9
+
+
+def test_a_fully_cached_prompt_still_leaves_one_token_to_compute() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    p = list(range(8))
+    kv.get_computed_blocks("a", p)
+    kv.allocate_slots("a", 8)
+    kv.cache_full_blocks("a", p, 8)
+    kv.free("a")
+    assert kv.get_computed_blocks("b", p) == 4
+
+
+def test_eviction_takes_the_least_recently_freed_block() -> None:
+    kv = KVCacheManager(num_blocks=5, block_size=BS, enable_prefix_caching=True)  # 4 usable
+    old, new = [1, 2, 3, 4, 9], [5, 6, 7, 8, 9]
+    for rid, toks in (("old", old), ("new", new)):
+        kv.get_computed_blocks(rid, toks)
+        kv.allocate_slots(rid, len(toks))
+        kv.cache_full_blocks(rid, toks, len(toks))
+        kv.free(rid)
+    kv.allocate_slots("filler", 2 * BS)  # takes the two least recently freed blocks: both of "old"
+    assert kv.get_computed_blocks("x", old) == 0
+    assert kv.get_computed_blocks("y", new) == 4
+
+
+def test_a_pool_needs_two_blocks() -> None:
+    with pytest.raises(ValueError, match="at least 2 blocks"):
+        KVCacheManager(num_blocks=1, block_size=BS, enable_prefix_caching=True)

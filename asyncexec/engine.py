@@ -190,6 +190,22 @@ class AsyncEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_unfinished_requests()
 
+    def stats(self) -> dict[str, float]:
+        """Scheduler and KV-cache counters: queue sizes, block usage, prefix-cache hits, preemptions."""
+        sched = self._live_scheduler() if self.scheduler is None else self.scheduler
+        kv = sched.kv
+        return {
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "num_blocks": kv.pool.num_usable,
+            "num_free_blocks": kv.pool.num_free,
+            "kv_cache_usage": kv.usage,
+            "prefix_cache_queries": kv.stats.queries,
+            "prefix_cache_hits": kv.stats.hits,
+            "prefix_cache_hit_rate": kv.stats.hit_rate,
+            "num_preemptions": sched.num_preemptions,
+        }
+
     async def collective_rpc(
         self,
         method: str,

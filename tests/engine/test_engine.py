@@ -86,6 +86,7 @@ async def test_prefix_is_computed_once_and_outputs_are_unchanged(tiny_models: di
         assert stats.hits == 0
         second = await collect(engine, prompts[1], SamplingParams(temperature=0.0, max_tokens=8))
         assert stats.hits == 32, "the shared 8 blocks must come from the cache"
+        assert engine.stats()["prefix_cache_hits"] == 32
         assert stats.queries == len(prompts[0]) + len(prompts[1])
     assert [first.token_ids, second.token_ids] == refs
 
@@ -132,6 +133,8 @@ async def test_abort_and_cancellation_free_every_block(tiny_models: dict[str, Pa
         await asyncio.sleep(0)
         assert not engine.has_unfinished_requests()
         assert sched.kv.pool.num_free == sched.kv.pool.num_usable, "every block is back in the pool"
+        stats = engine.stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"] and stats["kv_cache_usage"] == 0.0
 
 
 async def test_invalid_requests_raise_and_the_engine_keeps_serving(tiny_models: dict[str, Path]) -> None:
@@ -211,3 +214,20 @@ async def test_two_engines_share_a_loop(tiny_models: dict[str, Path]) -> None:
         ra, rb = await asyncio.gather(collect(a, [1, 2, 3], GREEDY), collect(b, [1, 2, 3], GREEDY))
     assert ra.token_ids == hf_greedy(tiny_models["llama"], [[1, 2, 3]], 16)[0]
     assert rb.token_ids == hf_greedy(tiny_models["qwen2"], [[1, 2, 3]], 16)[0]
+
+
+async def test_stop_tokens_and_logprobs(tiny_models: dict[str, Path]) -> None:
+    async with AsyncEngine(engine_config(tiny_models["llama"])) as engine:
+        free_run = await collect(
+            engine, [9, 8, 7], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        )
+        stop = free_run.token_ids[3]
+        first = free_run.token_ids.index(stop)
+        sp = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[stop], logprobs=2, ignore_eos=True)
+        out = await collect(engine, [9, 8, 7], sp)
+    assert out.finish_reason == "stop" and out.token_ids == free_run.token_ids[: first + 1]
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    for tok, lp in zip(out.token_ids, out.logprobs, strict=True):
+        assert tok in lp and len(lp) <= 3 and max(lp.values()) == lp[tok], (
+            "greedy: the sampled token is the top one"
+        )

@@ -8,6 +8,7 @@ a hot path reads environment variables; derived values are properties.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -62,6 +63,9 @@ class EngineConfig:
         check_rank_agreement: debug mode: `execute_model` checks that every rank sampled the same.
         enable_prefix_caching: share the KV blocks of equal prompt prefixes between requests.
         max_waiting_requests: `add_request` raises `EngineOverloadedError` beyond this many queued.
+        distributed_host: this machine's IP address for ranks on other machines: channels then use
+            TCP bound to it (never `*`), authenticated with CURVE, and tensors travel as zmq frames
+            instead of shared memory. None keeps everything on ipc:// and shared memory.
     """
 
     model: str | None = None
@@ -86,6 +90,7 @@ class EngineConfig:
     check_rank_agreement: bool = False
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
+    distributed_host: str | None = None
 
     def __post_init__(self) -> None:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
@@ -123,6 +128,17 @@ class EngineConfig:
                 raise ConfigError(f"cudagraph_capture_sizes must be a non-empty list of sizes, got {sizes!r}")
             for s in sizes:
                 _check_int("cudagraph_capture_sizes", s, minimum=1)
+        if self.distributed_host is not None:
+            try:
+                ip = ipaddress.ip_address(self.distributed_host)
+            except ValueError as e:
+                raise ConfigError(
+                    f"distributed_host must be an IP address, got {self.distributed_host!r}"
+                ) from e
+            if ip.is_unspecified:
+                raise ConfigError(
+                    f"distributed_host must be this machine's own address, not {self.distributed_host!r}"
+                )
         if self.model is not None and self.executor_kind == "uni" and self.world_size > 1:
             raise ConfigError(
                 "executor='uni' runs every rank as a thread of one process, and one process cannot hold "

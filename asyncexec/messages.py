@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from asyncexec.config import EngineConfig
+from asyncexec.ipc.channel import CurveClientKeys
 from asyncexec.sampling_params import SamplingParams
 
 __all__ = [
@@ -184,6 +185,7 @@ class WorkerSpawn(_Wire):
     executor_arena: str | None
     sys_path: list[str]
     distributed_init_method: str | None = None
+    curve: CurveClientKeys | None = None  # set where the channel is TCP (no shared memory)
 
 
 WorkerInbox = RPCRequestFrame | Shutdown

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,12 +87,13 @@ class MultiProcExecutor(Executor):
         self._pidfds: list[int] = []
         self._worker_pids: list[int] = []
         self._ready: list[asyncio.Future[None]] = [self._loop.create_future() for _ in range(self.world_size)]
-        self._arena = ShmArena(self.config.shm_arena_bytes)
+        tcp_host = self.config.distributed_host
+        self._arena = ShmArena(self.config.shm_arena_bytes) if tcp_host is None else None
         self._encoder = Encoder(self._arena, self.config.inline_tensor_bytes)
-        self._reader = ShmReader(receiver_index=0)
+        self._reader = ShmReader(receiver_index=0) if tcp_host is None else None
         self._decoder = Decoder(self._reader)
-        self._channel = ExecutorChannel(self.world_size)
-        self._channel.start_reading(self._loop, self._on_frame)
+        self._channel = ExecutorChannel(self.world_size, tcp_host)
+        self._channel.start_reading(self._loop, self._on_message)
         self._terminating: asyncio.Task[None] | None = None
         self._dist_init = f"tcp://127.0.0.1:{_free_port()}" if self.world_size > 1 else None
         for rank in range(self.world_size):  # spawn every rank before waiting on any
@@ -123,9 +125,10 @@ class MultiProcExecutor(Executor):
             request_addr=self._channel.request_addrs[rank],
             reply_addr=self._channel.reply_addr,
             executor_pid=os.getpid(),
-            executor_arena=self._arena.name,
+            executor_arena=self._arena.name if self._arena is not None else None,
             sys_path=[p for p in sys.path if p],
             distributed_init_method=self._dist_init,
+            curve=self._channel.client_keys,
         )
         write_spawn(proc.stdin, spawn)
 
@@ -161,17 +164,27 @@ class MultiProcExecutor(Executor):
 
     # ----- replies ----------------------------------------------------------------------------------
 
-    def _on_frame(self, frame: bytes) -> None:
+    def _on_message(self, frames: Sequence[Any]) -> None:
+        self._decoder.frames = frames
         try:
-            msg: RPCReplyFrame | Ready | StartupFailed = self._decoder.decode(frame, ExecutorInbox)
+            self._dispatch(frames)
+        finally:
+            self._decoder.frames = ()
+
+    def _dispatch(self, frames: Sequence[Any]) -> None:
+        try:
+            msg: RPCReplyFrame | Ready | StartupFailed = self._decoder.decode(
+                memoryview(frames[0]), ExecutorInbox
+            )
         except ProtocolError as e:
-            logger.warning("executor dropped a malformed reply frame (%d bytes): %s", len(frame), e)
+            logger.warning("executor dropped a malformed reply (%d frames): %s", len(frames), e)
             return
         match msg:
             case RPCReplyFrame():
                 self._on_reply(msg)
             case Ready(rank=rank) if 0 <= rank < self.world_size:
-                self._reader.allow(msg.arena)
+                if self._reader is not None:
+                    self._reader.allow(msg.arena)
                 _set(self._ready[rank], None)
             case StartupFailed(rank=rank, error=err) if 0 <= rank < self.world_size:
                 exc = WorkerStartupError(rank, f"{err.type}: {err.message}", err.traceback)
@@ -205,7 +218,7 @@ class MultiProcExecutor(Executor):
         result_type: Any,
     ) -> list[Any]:
         call_id = next(self._ids)
-        frame = self._encoder.encode(RPCRequest(call_id, method, args, kwargs), num_receivers=self.world_size)
+        frames = self._encoder.encode_frames(RPCRequest(call_id, method, args, kwargs), self.world_size)
         call = _Call(method, result_type, self._loop.create_future(), [None] * self.world_size)
         call.remaining.update(range(self.world_size))
         self._pending[call_id] = call
@@ -214,13 +227,14 @@ class MultiProcExecutor(Executor):
             expiry = self._loop.call_later(timeout, self._expire, call_id, timeout)
         try:
             for rank in range(self.world_size):
-                await self._channel.send(rank, frame)
+                await self._channel.send(rank, frames)
             replies = await call.future
         finally:
             self._pending.pop(call_id, None)
             if expiry is not None:
                 expiry.cancel()
-            self._arena.reclaim()
+            if self._arena is not None:
+                self._arena.reclaim()
         return self._gather(method, replies)
 
     def _expire(self, call_id: int, timeout: float) -> None:
@@ -254,8 +268,9 @@ class MultiProcExecutor(Executor):
 
     async def _shutdown(self) -> None:
         if not hasattr(self, "_channel"):  # start failed before the channel existed
-            if hasattr(self, "_arena"):
-                self._arena.close()
+            arena: ShmArena | None = getattr(self, "_arena", None)
+            if arena is not None:
+                arena.close()
             return
         for fd in self._pidfds:
             self._loop.remove_reader(fd)
@@ -271,8 +286,10 @@ class MultiProcExecutor(Executor):
                 proc.stdin.close()
             remove_segments_of(proc.pid)
         self._channel.close()
-        self._reader.close()
-        self._arena.close()
+        if self._reader is not None:
+            self._reader.close()
+        if self._arena is not None:
+            self._arena.close()
 
 
 def _free_port() -> int:

@@ -7,7 +7,11 @@ Topology, per executor::
     PULL  bound  <dir>/reply     <--- replies ----- PUSH connect   (all ranks share it)
 
 ipc:// sockets live in a private 0700 temporary directory per executor, removed at close. TCP is used
-only when a host is given (Ray across nodes), bound to that host on a random port, never to `*`.
+only when a host is given (ranks on other machines), bound to that IP on random ports, never to `*`,
+and authenticated with ZeroMQ CURVE: the executor's sockets are CURVE servers, keys are made per
+executor, and a ZAP handler admits only the client key handed to the ranks at spawn. On TCP a message
+may span several frames (tensors travel as frames of their own, see `codec.py`); on ipc it is one frame.
+
 Each executor owns one `zmq.asyncio.Context` and terminates it at close with linger 0; workers own a
 plain `zmq.Context`.
 
@@ -15,7 +19,7 @@ The executor's hot path skips zmq.asyncio's per-message futures, which cost abou
 these machines (`scripts/bench_ipc.py` measures the difference): sends try a non-blocking send first and
 await the zmq.asyncio send only when the queue is full, and replies are drained by a loop reader on the
 socket's edge-triggered ZMQ_FD, which receives with NOBLOCK while ZMQ_EVENTS says POLLIN and hands each
-frame to a callback, in the loop's thread, in arrival order.
+message to a callback, in the loop's thread, in arrival order.
 """
 
 from __future__ import annotations
@@ -26,12 +30,26 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
+import zmq.auth.asyncio
 
-__all__ = ["ExecutorChannel", "WorkerChannel"]
+__all__ = ["CurveClientKeys", "ExecutorChannel", "WorkerChannel"]
+
+Frames = Sequence[Any]  # bytes, memoryview or zmq.Frame; frame 0 is the msgpack
+_ZERO_COPY_MIN = 65536
+
+
+class CurveClientKeys(msgspec.Struct, array_like=True, gc=False):
+    """What a rank needs to reach the executor over TCP: the server's public key and its own pair (z85)."""
+
+    server_public: str
+    client_public: str
+    client_secret: str
 
 
 def _check_bind_host(host: str) -> str:
@@ -44,8 +62,33 @@ def _check_bind_host(host: str) -> str:
     return host
 
 
+# The base class's methods, called on zmq.asyncio sockets: they act now instead of returning futures.
+# (`send_multipart`/`recv_multipart` are not used: they call back into the async `send`/`recv`.)
 _SYNC_SEND = zmq.Socket.send
 _SYNC_RECV = zmq.Socket.recv
+
+
+def _sync_send_frames(sock: zmq.Socket[Any], frames: Frames) -> None:
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        _SYNC_SEND(sock, f, zmq.NOBLOCK | (zmq.SNDMORE if i < last else 0), copy=False)
+
+
+def _sync_recv_frames(sock: zmq.Socket[Any]) -> list[Any]:
+    frames = [_SYNC_RECV(sock, zmq.NOBLOCK, copy=False)]
+    while sock.getsockopt(zmq.RCVMORE):
+        frames.append(_SYNC_RECV(sock, zmq.NOBLOCK, copy=False))
+    return frames
+
+
+class _OnlyKey:
+    """ZAP credentials: admit exactly one client public key."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self.key
 
 
 class ExecutorChannel:
@@ -55,24 +98,48 @@ class ExecutorChannel:
         self.ctx = zmq.asyncio.Context()
         self.dir: str | None = None
         self.requests: list[zmq.asyncio.Socket] = []
+        self.multipart = tcp_host is not None
+        self.client_keys: CurveClientKeys | None = None
+        self._auth: zmq.auth.asyncio.AsyncioAuthenticator | None = None
         try:
-            self.reply = self.ctx.socket(zmq.PULL)
             if tcp_host is None:
                 self.dir = tempfile.mkdtemp(prefix="asyncexec-")  # mkdtemp makes it 0700
                 os.chmod(self.dir, 0o700)
                 self._rmdir = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
+            else:
+                self._start_curve()
+            self.reply = self._socket(zmq.PULL)
             self.reply_addr = self._bind(self.reply, "reply", tcp_host)
             self.request_addrs = []
             for rank in range(world_size):
-                sock = self.ctx.socket(zmq.PUSH)
+                sock = self._socket(zmq.PUSH)
                 self.requests.append(sock)
                 self.request_addrs.append(self._bind(sock, f"req-{rank}", tcp_host))
         except BaseException:
             self.close()
             raise
 
-    def _bind(self, sock: zmq.asyncio.Socket, name: str, tcp_host: str | None) -> str:
+    def _start_curve(self) -> None:
+        server_public, self._server_secret = zmq.curve_keypair()
+        self._server_public = server_public
+        client_public, client_secret = zmq.curve_keypair()
+        self.client_keys = CurveClientKeys(
+            server_public.decode(), client_public.decode(), client_secret.decode()
+        )
+        self._auth = zmq.auth.asyncio.AsyncioAuthenticator(self.ctx)
+        self._auth.start()
+        self._auth.configure_curve_callback("*", credentials_provider=_OnlyKey(client_public))
+
+    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.client_keys is not None:
+            sock.curve_secretkey = self._server_secret
+            sock.curve_publickey = self._server_public
+            sock.curve_server = True
+        return sock
+
+    def _bind(self, sock: zmq.asyncio.Socket, name: str, tcp_host: str | None) -> str:
         if tcp_host is None:
             assert self.dir is not None
             addr = f"ipc://{self.dir}/{name}"
@@ -83,12 +150,15 @@ class ExecutorChannel:
         port = sock.bind_to_random_port(f"tcp://{shown}")
         return f"tcp://{shown}:{port}"
 
-    async def send(self, rank: int, frame: bytes) -> None:
+    async def send(self, rank: int, frames: Frames) -> None:
         sock = self.requests[rank]
         try:
-            _SYNC_SEND(sock, frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+            if len(frames) == 1:
+                _SYNC_SEND(sock, frames[0], zmq.NOBLOCK, copy=len(frames[0]) < _ZERO_COPY_MIN)
+            else:  # the first part going out means all go out (zmq queues whole messages)
+                _sync_send_frames(sock, frames)
         except zmq.Again:
-            await sock.send(frame, copy=len(frame) < 65536)
+            await sock.send_multipart(frames, copy=False)
 
     def send_nowait(self, rank: int, frame: bytes) -> bool:
         """Send without waiting; False where the queue is full or the socket is gone."""
@@ -98,10 +168,10 @@ class ExecutorChannel:
             return False
         return True
 
-    def start_reading(self, loop: asyncio.AbstractEventLoop, on_frame: Callable[[bytes], None]) -> None:
-        """Call `on_frame(frame)` in the loop for every reply frame, until `close()`."""
+    def start_reading(self, loop: asyncio.AbstractEventLoop, on_message: Callable[[Frames], None]) -> None:
+        """Call `on_message(frames)` in the loop for every reply, until `close()`."""
         self._loop = loop
-        self._on_frame = on_frame
+        self._on_message = on_message
         self._fd: int | None = int(self.reply.getsockopt(zmq.FD))
         loop.add_reader(self._fd, self._drain)
         loop.call_soon(self._drain)  # the fd is edge-triggered: take what came before we registered
@@ -110,7 +180,10 @@ class ExecutorChannel:
         sock = self.reply
         # Reading ZMQ_EVENTS re-arms the edge trigger; it is also cheaper than catching zmq.Again.
         while not sock.closed and int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            self._on_frame(_SYNC_RECV(sock, zmq.NOBLOCK))
+            if self.multipart:
+                self._on_message(_sync_recv_frames(sock))
+            else:
+                self._on_message([_SYNC_RECV(sock, zmq.NOBLOCK)])
 
     def close(self) -> None:
         fd = getattr(self, "_fd", None)
@@ -120,6 +193,9 @@ class ExecutorChannel:
         for sock in [*self.requests, getattr(self, "reply", None)]:
             if sock is not None:
                 sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         self.ctx.term()
         if self.dir is not None:
             self._rmdir()
@@ -129,22 +205,29 @@ class ExecutorChannel:
 class WorkerChannel:
     """A rank's end: PULL for requests, PUSH for replies, both connected; blocking."""
 
-    def __init__(self, request_addr: str, reply_addr: str) -> None:
+    def __init__(self, request_addr: str, reply_addr: str, curve: CurveClientKeys | None = None) -> None:
         self.ctx = zmq.Context()
+        self.multipart = curve is not None
         self.requests = self.ctx.socket(zmq.PULL)
         self.reply = self.ctx.socket(zmq.PUSH)
         for sock, addr in ((self.requests, request_addr), (self.reply, reply_addr)):
             sock.setsockopt(zmq.LINGER, 1000)  # let a final reply out before the process exits
+            if curve is not None:
+                sock.curve_serverkey = curve.server_public.encode()
+                sock.curve_publickey = curve.client_public.encode()
+                sock.curve_secretkey = curve.client_secret.encode()
             sock.connect(addr)
 
-    def recv(self) -> bytes:
-        return self.requests.recv()
+    def recv(self) -> list[Any]:
+        if self.multipart:
+            return self.requests.recv_multipart(copy=False)
+        return [self.requests.recv()]
 
-    def send(self, frame: bytes) -> None:
-        if len(frame) < 65536:
-            self.reply.send(frame)
+    def send(self, frames: Frames) -> None:
+        if len(frames) == 1:
+            self.reply.send(frames[0], copy=len(frames[0]) < _ZERO_COPY_MIN)
         else:
-            self.reply.send(frame, copy=False)
+            self.reply.send_multipart(frames, copy=False)
 
     def close(self) -> None:
         self.requests.close(linger=0)

@@ -6,6 +6,12 @@ msgpack extension value:
     ext 1  InlineTensor(dtype, shape, data)              at most `inline_tensor_bytes`
     ext 2  TensorRef(segment, offset, nbytes, dtype,     larger: copied once into the sender's arena
                      shape, flags)                       (see `shm.py`), received as a zero-copy view
+    ext 3  FrameRef(index, nbytes, dtype, shape)        larger, where there is no shared memory (TCP):
+                                                         copied once at send into its own zmq frame,
+                                                         received as a view of that frame
+
+A message is then `[msgpack, frame 1, frame 2, ...]`; `encode_frames` returns that list and
+`Decoder.frames` holds the current message's frames while it (and its `Raw` parts) are decoded.
 
 Tensors are detached, moved to CPU and made contiguous at send. The receiver validates every handle
 before touching memory: the dtype must be in the allowlist, the shape non-negative, `nbytes` exactly
@@ -16,7 +22,8 @@ Anything else raises `ProtocolError`; nothing is ever unpickled.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -25,10 +32,11 @@ import torch
 from asyncexec.errors import ProtocolError
 from asyncexec.ipc.shm import ShmArena, ShmReader
 
-__all__ = ["DTYPES", "Decoder", "Encoder", "InlineTensor", "TensorRef"]
+__all__ = ["DTYPES", "Decoder", "Encoder", "FrameRef", "InlineTensor", "TensorRef"]
 
 EXT_INLINE = 1
 EXT_SHM = 2
+EXT_FRAME = 3
 MAX_NDIM = 64
 
 _DTYPE_ALLOWLIST = (
@@ -61,24 +69,47 @@ class TensorRef(msgspec.Struct, array_like=True, gc=False):
     flags: int
 
 
+class FrameRef(msgspec.Struct, array_like=True, gc=False):
+    """A tensor that travels as frame `index` of its message."""
+
+    index: int
+    nbytes: int
+    dtype: str
+    shape: list[int]
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
 class Encoder:
-    """One reusable msgpack encoder; large tensors go through `arena`. Owned by a single thread."""
+    """One reusable msgpack encoder. Large tensors go through `arena`, or, without one, into frames of
+    their own. Owned by a single thread.
+    """
 
-    def __init__(self, arena: ShmArena, inline_tensor_bytes: int) -> None:
+    def __init__(self, arena: ShmArena | None, inline_tensor_bytes: int) -> None:
         self.arena = arena
         self.inline_tensor_bytes = inline_tensor_bytes
         self._enc = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._inner = msgspec.msgpack.Encoder()
         self._num_receivers = 1
+        self._frames: list[memoryview] = []
 
     def encode(self, msg: Any, num_receivers: int = 1) -> bytes:
-        """Encode `msg` for `num_receivers` peers, copying large tensors into the arena now."""
+        """Encode `msg` for `num_receivers` peers as one buffer (shared-memory mode)."""
+        frames = self.encode_frames(msg, num_receivers)
+        if len(frames) > 1:
+            raise TypeError("this message carries tensor frames: send it with encode_frames")
+        return frames[0]  # type: ignore[return-value]
+
+    def encode_frames(self, msg: Any, num_receivers: int = 1) -> list[bytes | memoryview]:
+        """Encode `msg` as `[msgpack, tensor frames...]`, copying large tensors now."""
         self._num_receivers = num_receivers
-        return self._enc.encode(msg)
+        self._frames = []
+        try:
+            return [self._enc.encode(msg), *self._frames]
+        finally:
+            self._frames = []
 
     def _enc_hook(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -99,6 +130,11 @@ class Encoder:
         if nbytes <= self.inline_tensor_bytes:
             data = memoryview(_as_bytes(t.contiguous()).numpy().data) if nbytes else memoryview(b"")
             return msgspec.msgpack.Ext(EXT_INLINE, self._inner.encode(InlineTensor(name, shape, data)))
+        if self.arena is None:  # a private copy: the caller may change `t` before zmq sends it
+            private = _as_bytes(t.contiguous().clone() if t.is_contiguous() else t.contiguous())
+            self._frames.append(memoryview(private.numpy().data))
+            frame_ref = FrameRef(len(self._frames), nbytes, name, shape)
+            return msgspec.msgpack.Ext(EXT_FRAME, self._inner.encode(frame_ref))
         region = self.arena.allocate(nbytes, self._num_receivers)
         dst = torch.frombuffer(region.payload, dtype=torch.uint8).view(t.dtype).view(t.shape)
         dst.copy_(t)
@@ -109,10 +145,12 @@ class Encoder:
 class Decoder:
     """Typed decoders sharing one tensor ext hook; `reader` resolves shared-memory handles."""
 
-    def __init__(self, reader: ShmReader) -> None:
+    def __init__(self, reader: ShmReader | None) -> None:
         self.reader = reader
+        self.frames: Sequence[Any] = ()  # the current message's frames (index 0 is its msgpack)
         self._inline = msgspec.msgpack.Decoder(InlineTensor)
         self._ref = msgspec.msgpack.Decoder(TensorRef)
+        self._frame_ref = msgspec.msgpack.Decoder(FrameRef)
         self._decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
 
     def decoder_for(self, type_: Any) -> Callable[[bytes | memoryview], Any]:
@@ -141,7 +179,22 @@ class Decoder:
             if numel == 0:
                 return torch.empty(m.shape, dtype=dtype)
             return torch.frombuffer(bytearray(m.data), dtype=torch.uint8).view(dtype).view(m.shape)
+        if code == EXT_FRAME:
+            fr = self._frame_ref.decode(data)
+            dtype, numel = _check_meta(fr.dtype, fr.shape)
+            if not 0 < fr.index < len(self.frames):
+                raise ProtocolError(
+                    f"tensor frame {fr.index} is not in this {len(self.frames)}-frame message"
+                )
+            buf = memoryview(self.frames[fr.index])
+            if fr.nbytes != numel * dtype.itemsize or buf.nbytes != fr.nbytes or fr.nbytes == 0:
+                raise ProtocolError(f"tensor frame of shape {fr.shape} {fr.dtype} has {buf.nbytes} bytes")
+            with warnings.catch_warnings():  # a received frame is read-only; the view is too, by contract
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(fr.shape)
         if code == EXT_SHM:
+            if self.reader is None:
+                raise ProtocolError("shared-memory tensor handle on a channel without shared memory")
             ref = self._ref.decode(data)
             dtype, numel = _check_meta(ref.dtype, ref.shape)
             if ref.nbytes != numel * dtype.itemsize or ref.nbytes == 0:

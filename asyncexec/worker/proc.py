@@ -91,28 +91,36 @@ class WorkerLoop:
     def run(self) -> None:
         rank = self.worker.rank
         while True:
-            frame = self.channel.recv()
+            frames = self.channel.recv()
+            self.decoder.frames = frames
             try:
-                msg: RPCRequestFrame | Shutdown = self.decoder.decode(frame, WorkerInbox)
+                msg: RPCRequestFrame | Shutdown = self.decoder.decode(memoryview(frames[0]), WorkerInbox)
             except ProtocolError as e:
-                logger.warning("rank %d dropped a malformed frame (%d bytes): %s", rank, len(frame), e)
+                logger.warning("rank %d dropped a malformed message (%d frames): %s", rank, len(frames), e)
                 continue
+            finally:
+                self.decoder.frames = ()
             match msg:
                 case Shutdown():
                     return
                 case RPCRequestFrame():
-                    self.channel.send(self._serve(msg))
+                    self.decoder.frames = frames
+                    reply = self._serve(msg)
+                    self.decoder.frames = ()
+                    del frames, msg
+                    self.channel.send(reply)
 
-    def _serve(self, req: RPCRequestFrame) -> bytes:
+    def _serve(self, req: RPCRequestFrame) -> list[bytes | memoryview]:
         reply = self._call(req)
         try:
-            return self.encoder.encode(reply)
+            return self.encoder.encode_frames(reply)
         except (TypeError, ValueError) as e:
             err = RemoteError(type(e).__qualname__, f"result of {req.method!r} cannot be sent: {e}", "")
-            return self.encoder.encode(RPCReply(req.call_id, self.worker.rank, None, err))
+            return self.encoder.encode_frames(RPCReply(req.call_id, self.worker.rank, None, err))
         finally:
             del reply
-            self.encoder.arena.reclaim()
+            if self.encoder.arena is not None:
+                self.encoder.arena.reclaim()
 
     def _call(self, req: RPCRequestFrame) -> RPCReply:
         rank = self.worker.rank
@@ -184,22 +192,24 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_exit)
     arena: ShmArena | None = None
-    channel = WorkerChannel(spawn.request_addr, spawn.reply_addr)
+    channel = WorkerChannel(spawn.request_addr, spawn.reply_addr, spawn.curve)
     worker: Worker | None = None
     try:
         try:
-            arena = ShmArena(spawn.config.shm_arena_bytes)
-            reader = ShmReader(receiver_index=rank)
-            reader.allow(spawn.executor_arena)
+            reader = None
+            if spawn.curve is None:  # same machine: tensors through shared memory
+                arena = ShmArena(spawn.config.shm_arena_bytes)
+                reader = ShmReader(receiver_index=rank)
+                reader.allow(spawn.executor_arena)
             encoder = Encoder(arena, spawn.config.inline_tensor_bytes)
             worker = build_worker(
                 spawn.config, rank, spawn.local_rank, spawn.world_size, spawn.distributed_init_method
             )
         except Exception as e:
             logger.exception("rank %d failed to start", rank)
-            channel.send(msgspec.msgpack.encode(StartupFailed(rank, remote_error(e))))
+            channel.send([msgspec.msgpack.encode(StartupFailed(rank, remote_error(e)))])
             return 1
-        channel.send(msgspec.msgpack.encode(Ready(rank, os.getpid(), arena.name)))
+        channel.send([msgspec.msgpack.encode(Ready(rank, os.getpid(), arena.name if arena else None))])
         WorkerLoop(worker, channel, encoder, Decoder(reader)).run()
         return 0
     finally:

@@ -60,16 +60,23 @@ async def run_all(engine: AsyncEngine, work: list[tuple[list[int], int]]) -> lis
     return [o.token_ids for o in outs]
 
 
-CASES: list[tuple[ExecutorKind, int]] = [("uni", 1), ("mp", 1), ("mp", 2)]
+CASES: list[tuple[ExecutorKind, int, str | None]] = [
+    ("uni", 1, None),
+    ("mp", 1, None),
+    ("mp", 2, None),
+    ("mp", 2, "127.0.0.1"),  # the TCP path: CURVE, tensors as frames, no shared memory
+]
 
 
-@pytest.mark.parametrize(("kind", "ranks"), CASES, ids=[f"{k}{n}" for k, n in CASES])
+@pytest.mark.parametrize(
+    ("kind", "ranks", "host"), CASES, ids=[f"{k}{n}{'-tcp' if h else ''}" for k, n, h in CASES]
+)
 async def test_32_concurrent_requests_equal_hf_generate(
-    tiny_models: dict[str, Path], kind: ExecutorKind, ranks: int
+    tiny_models: dict[str, Path], kind: ExecutorKind, ranks: int, host: str | None
 ) -> None:
     work = workload(32)
     refs = hf_greedy(tiny_models["llama"], [p for p, _ in work], [m for _, m in work])
-    async with AsyncEngine(engine_config(tiny_models["llama"], kind, ranks)) as engine:
+    async with AsyncEngine(engine_config(tiny_models["llama"], kind, ranks, distributed_host=host)) as engine:
         got = await run_all(engine, work)
         assert not engine.has_unfinished_requests()
     assert got == refs

@@ -20,6 +20,7 @@ __all__ = ["DeviceKind", "EngineConfig", "ExecutorKind"]
 ExecutorKind = Literal["uni", "mp", "ray"]
 DeviceKind = Literal["auto", "cpu", "cuda"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+RayPlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 _EXECUTORS = ("uni", "mp", "ray")
 _DEVICES = ("auto", "cpu", "cuda")
@@ -63,6 +64,8 @@ class EngineConfig:
         check_rank_agreement: debug mode: `execute_model` checks that every rank sampled the same.
         enable_prefix_caching: share the KV blocks of equal prompt prefixes between requests.
         max_waiting_requests: `add_request` raises `EngineOverloadedError` beyond this many queued.
+        ray_address: the Ray cluster to join (`ray.init(address=...)`); None starts a local Ray.
+        ray_placement_strategy: the placement group's strategy, one bundle per rank.
         distributed_host: this machine's IP address for ranks on other machines: channels then use
             TCP bound to it (never `*`), authenticated with CURVE, and tensors travel as zmq frames
             instead of shared memory. None keeps everything on ipc:// and shared memory.
@@ -90,6 +93,8 @@ class EngineConfig:
     check_rank_agreement: bool = False
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
+    ray_address: str | None = None
+    ray_placement_strategy: RayPlacementStrategy = "PACK"
     distributed_host: str | None = None
 
     def __post_init__(self) -> None:
@@ -128,6 +133,9 @@ class EngineConfig:
                 raise ConfigError(f"cudagraph_capture_sizes must be a non-empty list of sizes, got {sizes!r}")
             for s in sizes:
                 _check_int("cudagraph_capture_sizes", s, minimum=1)
+        if self.ray_placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ConfigError(f"ray_placement_strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, "
+                              f"got {self.ray_placement_strategy!r}")  # fmt: skip
         if self.distributed_host is not None:
             try:
                 ip = ipaddress.ip_address(self.distributed_host)

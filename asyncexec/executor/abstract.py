@@ -16,7 +16,6 @@ from typing import Any
 
 from asyncexec.config import EngineConfig
 from asyncexec.errors import (
-    ConfigError,
     ExecutorClosedError,
     RankDisagreementError,
     WorkerFailedError,
@@ -52,10 +51,10 @@ class Executor(abc.ABC):
             from asyncexec.executor.multiproc import MultiProcExecutor
 
             return MultiProcExecutor
-        raise ConfigError(
-            "executor='ray' is not available in this version of asyncexec; "
-            "use executor='mp' for several ranks on one machine"
-        )
+        from asyncexec.executor.ray_executor import RayExecutor, import_ray
+
+        import_ray()  # a clear error naming the extra where Ray is not installed
+        return RayExecutor
 
     @classmethod
     def create(cls, config: EngineConfig) -> Executor:

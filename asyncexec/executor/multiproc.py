@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 2.0
 TERM_GRACE_S = 3.0
 _Reply = tuple[Any, RemoteError | None]
-_SHUTDOWN_FRAME = msgspec.msgpack.encode(Shutdown())
+SHUTDOWN_FRAME = msgspec.msgpack.encode(Shutdown())
 
 
 @dataclass
@@ -87,17 +87,17 @@ class MultiProcExecutor(Executor):
         self._pidfds: list[int] = []
         self._worker_pids: list[int] = []
         self._ready: list[asyncio.Future[None]] = [self._loop.create_future() for _ in range(self.world_size)]
-        tcp_host = self.config.distributed_host
+        self._terminating: asyncio.Task[None] | None = None
+        tcp_host = await self._prepare_ranks()
         self._arena = ShmArena(self.config.shm_arena_bytes) if tcp_host is None else None
         self._encoder = Encoder(self._arena, self.config.inline_tensor_bytes)
         self._reader = ShmReader(receiver_index=0) if tcp_host is None else None
         self._decoder = Decoder(self._reader)
         self._channel = ExecutorChannel(self.world_size, tcp_host)
         self._channel.start_reading(self._loop, self._on_message)
-        self._terminating: asyncio.Task[None] | None = None
-        self._dist_init = f"tcp://127.0.0.1:{_free_port()}" if self.world_size > 1 else None
-        for rank in range(self.world_size):  # spawn every rank before waiting on any
-            self._spawn(rank)
+        self._dist_init = f"tcp://{tcp_host or '127.0.0.1'}:{_free_port()}" if self.world_size > 1 else None
+        for rank in range(self.world_size):  # launch every rank before waiting on any
+            self._launch(rank, self._spawn_message(rank))
         try:
             await asyncio.wait_for(asyncio.gather(*self._ready), self.config.worker_start_timeout_s)
         except asyncio.TimeoutError:
@@ -106,18 +106,12 @@ class MultiProcExecutor(Executor):
                 missing[0], f"ranks {missing} not ready after {self.config.worker_start_timeout_s:g} s"
             ) from None
 
-    def _spawn(self, rank: int) -> None:
-        env = dict(os.environ)
-        pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(asyncexec.__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "asyncexec.worker"], stdin=subprocess.PIPE, env=env, close_fds=True
-        )
-        self._procs.append(proc)
-        self._worker_pids.append(proc.pid)
-        self._watch_exit(rank, proc)
-        assert proc.stdin is not None
-        spawn = WorkerSpawn(
+    async def _prepare_ranks(self) -> str | None:
+        """Before the channel exists: place the ranks; returns the TCP host, or None for ipc + shm."""
+        return self.config.distributed_host
+
+    def _spawn_message(self, rank: int) -> WorkerSpawn:
+        return WorkerSpawn(
             rank=rank,
             local_rank=rank,
             world_size=self.world_size,
@@ -130,6 +124,19 @@ class MultiProcExecutor(Executor):
             distributed_init_method=self._dist_init,
             curve=self._channel.client_keys,
         )
+
+    def _launch(self, rank: int, spawn: WorkerSpawn) -> None:
+        """Start rank `rank` as a spawned process (not forked) and watch its exit."""
+        env = dict(os.environ)
+        pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(asyncexec.__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "asyncexec.worker"], stdin=subprocess.PIPE, env=env, close_fds=True
+        )
+        self._procs.append(proc)
+        self._worker_pids.append(proc.pid)
+        self._watch_exit(rank, proc)
+        assert proc.stdin is not None
         write_spawn(proc.stdin, spawn)
 
     def _watch_exit(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
@@ -183,6 +190,8 @@ class MultiProcExecutor(Executor):
             case RPCReplyFrame():
                 self._on_reply(msg)
             case Ready(rank=rank) if 0 <= rank < self.world_size:
+                if msg.pid not in self._worker_pids:  # a rank hosted elsewhere (Ray) tells us its pid
+                    self._worker_pids.append(msg.pid)
                 if self._reader is not None:
                     self._reader.allow(msg.arena)
                 _set(self._ready[rank], None)
@@ -246,7 +255,7 @@ class MultiProcExecutor(Executor):
 
     async def _terminate_workers(self) -> None:
         for rank in range(self.world_size):
-            self._channel.send_nowait(rank, _SHUTDOWN_FRAME)
+            self._channel.send_nowait(rank, SHUTDOWN_FRAME)
         await self._wait_exit(SHUTDOWN_GRACE_S)
         for proc in self._procs:
             if proc.poll() is None:
@@ -267,29 +276,34 @@ class MultiProcExecutor(Executor):
             await asyncio.sleep(0.01)
 
     async def _shutdown(self) -> None:
-        if not hasattr(self, "_channel"):  # start failed before the channel existed
-            arena: ShmArena | None = getattr(self, "_arena", None)
-            if arena is not None:
-                arena.close()
-            return
-        for fd in self._pidfds:
+        if hasattr(self, "_channel"):
+            if self._terminating is None:
+                self._terminating = self._loop.create_task(self._terminate_workers())
+            await self._terminating
+            for call in self._pending.values():
+                _fail_future(
+                    call.future, ExecutorClosedError("executor shut down while the call was pending")
+                )
+            self._pending.clear()
+        self._release_ranks()
+        for pid in getattr(self, "_worker_pids", []):
+            remove_segments_of(pid)
+        if hasattr(self, "_channel"):
+            self._channel.close()
+        reader: ShmReader | None = getattr(self, "_reader", None)
+        if reader is not None:
+            reader.close()
+        arena: ShmArena | None = getattr(self, "_arena", None)
+        if arena is not None:
+            arena.close()
+
+    def _release_ranks(self) -> None:
+        """After the ranks stopped: close what watched them."""
+        for proc, fd in zip(getattr(self, "_procs", []), getattr(self, "_pidfds", []), strict=False):
             self._loop.remove_reader(fd)
-        if self._terminating is None:
-            self._terminating = self._loop.create_task(self._terminate_workers())
-        await self._terminating
-        for call in self._pending.values():
-            _fail_future(call.future, ExecutorClosedError("executor shut down while the call was pending"))
-        self._pending.clear()
-        for proc, fd in zip(self._procs, self._pidfds, strict=False):
             os.close(fd)
             if proc.stdin is not None:
                 proc.stdin.close()
-            remove_segments_of(proc.pid)
-        self._channel.close()
-        if self._reader is not None:
-            self._reader.close()
-        if self._arena is not None:
-            self._arena.close()
 
 
 def _free_port() -> int:

@@ -179,18 +179,35 @@ def _raise_exit(signum: int, frame: object) -> None:
 
 
 def main() -> int:
+    """A spawned worker process: the spawn message on stdin, stdin kept as the death pipe."""
     stdin = sys.stdin.fileno()
     spawn = msgspec.msgpack.decode(
         _read_exact(stdin, _LEN.unpack(_read_exact(stdin, 8))[0]), type=WorkerSpawn
     )
-    sys.path[:] = spawn.sys_path + [p for p in sys.path if p not in spawn.sys_path]
-    rank = spawn.rank
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"
-    )
+    _prepare(spawn)
     threading.Thread(target=_watch_parent, args=(stdin,), name="parent-watch", daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_exit)
+    return serve(spawn)
+
+
+def _prepare(spawn: WorkerSpawn) -> None:
+    sys.path[:] = spawn.sys_path + [p for p in sys.path if p not in spawn.sys_path]
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s [rank {spawn.rank}] %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def serve_encoded(spawn_msg: bytes) -> int:
+    """The same loop inside a host that is not our own process (a Ray actor): its host owns lifetime."""
+    spawn = msgspec.msgpack.decode(spawn_msg, type=WorkerSpawn)
+    _prepare(spawn)
+    return serve(spawn)
+
+
+def serve(spawn: WorkerSpawn) -> int:
+    """Build the rank, announce it, and run its loop until `Shutdown`; returns the exit status."""
+    rank = spawn.rank
     arena: ShmArena | None = None
     channel = WorkerChannel(spawn.request_addr, spawn.reply_addr, spawn.curve)
     worker: Worker | None = None

@@ -9,7 +9,6 @@ import torch
 
 from asyncexec import (
     CachedRequestData,
-    ConfigError,
     EngineConfig,
     Executor,
     ExecutorClosedError,
@@ -130,5 +129,6 @@ async def test_factory_picks_the_class() -> None:
     assert type(Executor.create(EngineConfig())) is UniProcExecutor
     assert type(Executor.create(EngineConfig(tensor_parallel_size=2))) is MultiProcExecutor
     assert type(Executor.create(EngineConfig(executor="uni", tensor_parallel_size=2))) is UniProcExecutor
-    with pytest.raises(ConfigError, match="ray"):
-        Executor.create(EngineConfig(executor="ray"))
+    from asyncexec.executor.ray_executor import RayExecutor
+
+    assert type(Executor.create(EngineConfig(executor="ray"))) is RayExecutor

@@ -3,7 +3,7 @@
 Workload: 64 greedy requests on a tiny random llama (4 layers, width 256), prompt lengths drawn from
 16-512, output lengths from 16-256 (EOS ignored, so every peer makes exactly the same tokens), all
 submitted at once, then again with Poisson arrivals.
-Peers: asyncexec uni x1, mp x1, mp x2; HF `model.generate` in static padded batches of 16; HF's own
+Peers: asyncexec uni x1, mp x1, mp x2, ray x2; HF `model.generate` in static padded batches of 16; HF's own
 continuous batching (`init_continuous_batching` manager, per-request lengths).
 Reports output tokens/s, TTFT and ITL p50/p99, engine overhead (share of step time that is not the
 model forward, at rank 0), and how many greedy outputs agree with HF static batching up to their first
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import random
@@ -171,7 +172,8 @@ def main() -> None:
     except Exception as e:  # a peer that cannot run is reported, not hidden
         res["hf_generate_batch"] = {"tok_s": float("nan"), "error": f"{type(e).__name__}: {e}", "outputs": []}
     for case, rate in (("at once", None), ("poisson", 8.0)):
-        for kind, ranks in (("uni", 1), ("mp", 1), ("mp", 2)):
+        peers = [("uni", 1), ("mp", 1), ("mp", 2)] + ([("ray", 2)] if importlib.util.find_spec("ray") else [])
+        for kind, ranks in peers:
             progress(f"asyncexec {kind} x{ranks}, {case}")
             res[f"{kind}{ranks} {case}"] = uvloop.run(run_engine(kind, ranks, work, rate))
     report(res, args.json)

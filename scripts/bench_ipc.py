@@ -5,6 +5,7 @@ Measures (medians of individually timed calls):
   rpc        collective_rpc no-op: uni, mp x1, mp x2, under uvloop and asyncio
   step       execute_model with a 256-request SchedulerOutput, full, then as steady-state deltas
   tensor     64 MiB to 2 ranks (one way: the ranks only look at the view) and back (each rank echoes it)
+  ray        (where Ray is installed) collective_rpc no-op on RayExecutor x2, and plain Ray actor calls
   peers      multiprocessing.Pipe + pickle (64 B round trip, 64 MiB handoff), torch.multiprocessing.Queue
              handoff of a fresh 64 MiB tensor, and single-thread memcpy bandwidth
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -149,6 +151,26 @@ async def executor_suite(kind: str, ranks: int, iters: int, heavy: bool) -> dict
     return res
 
 
+class _RayEcho:
+    def noop(self) -> None:
+        return None
+
+
+def ray_actor_call(iters: int) -> list[float]:
+    """The plain Ray peer: `ray.get(actor.method.remote())`, one actor."""
+    import ray
+
+    actor = ray.remote(_RayEcho).remote()
+    ray.get(actor.noop.remote())
+    out = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        ray.get(actor.noop.remote())
+        out.append(time.perf_counter() - t)
+    ray.kill(actor)
+    return out
+
+
 def _pipe_child(conn: Any) -> None:
     while (m := conn.recv()) is not None:
         conn.send(m if len(m) <= 64 else len(m))
@@ -233,6 +255,11 @@ def main() -> int:
             heavy = loop_name == "uvloop" and (kind, ranks) == ("mp", 2)
             for k, v in run(executor_suite(kind, ranks, iters, heavy)).items():
                 r[f"{k}_{kind}{ranks}_{loop_name}"] = v
+    if importlib.util.find_spec("ray") is not None:
+        progress("executor ray x2 under uvloop, and plain Ray actor calls")
+        for k, v in uvloop.run(executor_suite("ray", 2, max(200, iters // 5), False)).items():
+            r[f"{k}_ray2_uvloop"] = v
+        r["ray_actor_call"] = ray_actor_call(max(200, iters // 5))
     progress("peers: multiprocessing.Pipe, torch.multiprocessing.Queue, memcpy")
     r["pipe_small"], r["pipe_64mib"] = pipe_pickle(iters)
     r["tmq_64mib"] = tmq_handoff(8)
@@ -250,6 +277,11 @@ def report(r: dict[str, Any], memcpy: float, path: str) -> None:
         for cfg in ("uni1", "mp1", "mp2"):
             key = f"rpc_{cfg}_{loop_name}"
             rows.append((f"collective_rpc no-op, {cfg}, {loop_name}", key, us[key] / fl))
+    if "rpc_ray2_uvloop" in us:
+        rows.append(("collective_rpc no-op, ray x2, uvloop", "rpc_ray2_uvloop", us["rpc_ray2_uvloop"] / fl))
+        rows.append(
+            ("plain Ray actor call, ray.get(a.m.remote())", "ray_actor_call", us["ray_actor_call"] / fl)
+        )
     rows.append(("multiprocessing.Pipe+pickle, 64 B", "pipe_small", us["pipe_small"] / fl))
     print(f"\n{'round trip (median)':46s} {'us':>9s} {'p99 us':>9s} {'x floor(2)':>10s}")
     for label, key, ratio in rows:
@@ -274,6 +306,11 @@ def report(r: dict[str, Any], memcpy: float, path: str) -> None:
     print(f"{'memcpy, one thread':46s} {64 * MiB / memcpy / 1e6:9.2f} {memcpy:9.2f}")
     targets = {
         "mp2_rpc_vs_floor<=1.3": us["rpc_mp2_uvloop"] / fl,
+        **(
+            {"ray_actor_call_vs_ray2_rpc>=5": us["ray_actor_call"] / us["rpc_ray2_uvloop"]}
+            if "ray_actor_call" in us
+            else {}
+        ),
         "oneway_bw_vs_memcpy>=0.7": bw / memcpy,
         "speedup_vs_tmq>=4": tmq / one,
     }

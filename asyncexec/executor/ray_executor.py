@@ -60,8 +60,8 @@ class RayExecutor(MultiProcExecutor):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if not ray.is_initialized():
-            await asyncio.to_thread(ray.init, address=self.config.ray_address, include_dashboard=False)
+        if not ray.is_initialized():  # in the caller's thread: Ray's start-up misbehaves off the main thread
+            ray.init(address=self.config.ray_address, include_dashboard=False, log_to_driver=False)
         gpu = self.config.device == "cuda"
         bundle = {"GPU": 1} if gpu else {"CPU": 1}
         self._pg = placement_group([bundle] * self.world_size, strategy=self.config.ray_placement_strategy)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
 from collections.abc import AsyncGenerator, Sequence
 from types import TracebackType
 from typing import Any
@@ -143,7 +142,7 @@ class AsyncEngine:
             raise EngineOverloadedError(
                 f"{len(sched.waiting)} requests are waiting (max_waiting_requests={limit})"
             )
-        sched.add_request(Request(rid, ids, sp, arrival_time=time.monotonic()))
+        sched.add_request(Request(rid, ids, sp))
         return rid
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:

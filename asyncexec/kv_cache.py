@@ -146,6 +146,15 @@ class KVCacheManager:
         state.blocks += new
         return [b.block_id for b in new]
 
+    def has_uncached_full_blocks(self, req_id: str, num_computed: int) -> bool:
+        """Whether `cache_full_blocks` has anything to do: lets callers skip building the token list."""
+        state = self.reqs.get(req_id)
+        return (
+            self.enable_prefix_caching
+            and state is not None
+            and num_computed // self.block_size > state.num_cached
+        )
+
     def cache_full_blocks(self, req_id: str, tokens: Sequence[int], num_computed: int) -> None:
         """Register the request's blocks that are full and computed, so later requests can share them."""
         if not self.enable_prefix_caching:

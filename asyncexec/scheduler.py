@@ -44,14 +44,12 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    arrival_time: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     known_to_workers: bool = False
     finish_reason: str | None = None
-    num_preemptions: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -104,14 +102,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return self.has_unfinished_requests() or bool(self._finished_ids)
 
-    def forget_workers(self) -> None:
-        """The workers were replaced: requeue every running request as preempted, to be sent in full."""
-        for req in reversed(self.running):
-            self._preempt(req, notify=False)
-        for req in self.requests.values():
-            req.known_to_workers = False
-        self._finished_ids.clear()
-
     # ----- one step ---------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -126,7 +116,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while (new_blocks := self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)) is None:
                 victim = self.running[-1]
-                self._preempt(victim, notify=True)
+                self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
@@ -194,12 +184,11 @@ class Scheduler:
         cached.new_block_ids.append(new_blocks)
         cached.num_computed_tokens.append(req.num_computed_tokens)
 
-    def _preempt(self, req: Request, notify: bool) -> None:
+    def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
@@ -213,7 +202,10 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += so.num_scheduled_tokens[rid]
-            self.kv.cache_full_blocks(rid, req.all_token_ids, req.num_computed_tokens)
+            if self.kv.has_uncached_full_blocks(
+                rid, req.num_computed_tokens
+            ):  # once per block, not per token
+                self.kv.cache_full_blocks(rid, req.all_token_ids, req.num_computed_tokens)
             if not toks:
                 continue
             req.output_token_ids.extend(toks)

@@ -23,6 +23,7 @@ import struct
 import sys
 import threading
 import traceback
+from collections.abc import Sequence
 from typing import IO, Any
 
 import msgspec
@@ -89,26 +90,30 @@ class WorkerLoop:
         self._specs: dict[str, MethodSpec] = {}
 
     def run(self) -> None:
-        rank = self.worker.rank
         while True:
             frames = self.channel.recv()
-            self.decoder.frames = frames
+            self.decoder.frames = frames  # tensor frames of this message, for it and its Raw arguments
             try:
-                msg: RPCRequestFrame | Shutdown = self.decoder.decode(memoryview(frames[0]), WorkerInbox)
-            except ProtocolError as e:
-                logger.warning("rank %d dropped a malformed message (%d frames): %s", rank, len(frames), e)
-                continue
+                msg = self._decode(frames)
+                if isinstance(msg, Shutdown):
+                    return
+                reply = self._serve(msg) if msg is not None else None
             finally:
                 self.decoder.frames = ()
-            match msg:
-                case Shutdown():
-                    return
-                case RPCRequestFrame():
-                    self.decoder.frames = frames
-                    reply = self._serve(msg)
-                    self.decoder.frames = ()
-                    del frames, msg
-                    self.channel.send(reply)
+            del frames, msg  # the received views go before the reply does, releasing their regions
+            if reply is not None:
+                self.channel.send(reply)
+
+    def _decode(self, frames: Sequence[Any]) -> RPCRequestFrame | Shutdown | None:
+        """The message, validated as `WorkerInbox`; None (logged) for a malformed one."""
+        try:
+            msg: RPCRequestFrame | Shutdown = self.decoder.decode(memoryview(frames[0]), WorkerInbox)
+        except ProtocolError as e:
+            logger.warning(
+                "rank %d dropped a malformed message (%d frames): %s", self.worker.rank, len(frames), e
+            )
+            return None
+        return msg
 
     def _serve(self, req: RPCRequestFrame) -> list[bytes | memoryview]:
         reply = self._call(req)

@@ -106,33 +106,28 @@ class Worker:
         `max_num_batched_tokens`; on CPU, `kv_cache_memory_bytes`, else CPU_KV_CACHE_FRACTION of
         MemAvailable, capped at CPU_KV_CACHE_MAX_BYTES. Without a model, the CPU answer.
         """
+        has_model = self.model_runner is not None and self.model_runner.model is not None
         if self.config.kv_cache_memory_bytes is not None:
-            if self.model_runner is not None and self.model_runner.model is not None:
-                self.profile_run()
+            if has_model:
+                self._profiled_runner("determine_available_memory")
             return self.config.kv_cache_memory_bytes
-        if self.device is not None and self.device.type == "cuda":
+        if self.device is not None and self.device.type == "cuda":  # the peak must be measured afresh
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
             self.profile_run()
             total = torch.cuda.mem_get_info(self.device)[1]
             peak = torch.cuda.max_memory_allocated(self.device)
             return max(0, int(total * self.config.gpu_memory_utilization) - peak)
-        if self.model_runner is not None and self.model_runner.model is not None:
-            self.profile_run()
+        if has_model:
+            self._profiled_runner("determine_available_memory")
         return min(int(_mem_available_bytes() * CPU_KV_CACHE_FRACTION), CPU_KV_CACHE_MAX_BYTES)
 
     def get_kv_cache_block_bytes(self) -> int:
         """Bytes one KV block takes on this rank (all layers, K and V)."""
-        runner = self._runner("get_kv_cache_block_bytes")
-        if not runner.kv_spec:
-            runner.profile_run()
-        return runner.kv_cache_block_bytes()
+        return self._profiled_runner("get_kv_cache_block_bytes").kv_cache_block_bytes()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        runner = self._runner("allocate_kv_cache")
-        if not runner.kv_spec:
-            runner.profile_run()
-        runner.allocate_kv_cache(num_blocks)
+        self._profiled_runner("allocate_kv_cache").allocate_kv_cache(num_blocks)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, then capture CUDA graphs where they apply."""
@@ -173,6 +168,13 @@ class Worker:
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+    def _profiled_runner(self, method: str) -> ModelRunner:
+        """The runner, after one profile run (which sizes the KV cache): start-up profiles once."""
+        runner = self._runner(method)
+        if not runner.kv_spec:
+            runner.profile_run()
+        return runner
 
     def _runner(self, method: str) -> ModelRunner:
         if self.config.model is None:

@@ -10,7 +10,9 @@ pending call with `WorkerDiedError` at once, marks the executor failed and termi
 Each worker also watches us through its stdin (see `asyncexec.worker.proc`).
 
 Shutdown: `Shutdown` message -> SIGTERM after `SHUTDOWN_GRACE_S` -> SIGKILL after `TERM_GRACE_S`; then the
-dead workers' segments are unlinked, and our own arena, sockets and socket directory are removed.
+dead workers' segments are unlinked, and our own arena, sockets and socket directory are removed. After a
+death the survivors get `Shutdown`, then SIGKILL after `FAILED_GRACE_S`: one may be blocked in a collective
+with its dead peer (a gloo wait in C++), where neither a message nor SIGTERM's Python handler reaches it.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 2.0
 TERM_GRACE_S = 3.0
+FAILED_GRACE_S = 0.5
 _Reply = tuple[Any, RemoteError | None]
 SHUTDOWN_FRAME = msgspec.msgpack.encode(Shutdown())
 
@@ -76,6 +79,11 @@ class MultiProcExecutor(Executor):
     """`tensor_parallel_size` worker processes on this machine."""
 
     _procs: list[subprocess.Popen[bytes]]
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The worker processes' ids, by rank (empty before start; those of other hosts are not here)."""
+        return [p.pid for p in getattr(self, "_procs", [])]
 
     async def _start(self) -> None:
         for name in sweep_stale_segments():
@@ -254,17 +262,20 @@ class MultiProcExecutor(Executor):
     # ----- shutdown ---------------------------------------------------------------------------------
 
     async def _terminate_workers(self) -> None:
+        failed = self._failure is not None
         for rank in range(self.world_size):
             self._channel.send_nowait(rank, SHUTDOWN_FRAME)
-        await self._wait_exit(SHUTDOWN_GRACE_S)
+        await self._wait_exit(FAILED_GRACE_S if failed else SHUTDOWN_GRACE_S)
+        if not failed:
+            for proc in self._procs:
+                if proc.poll() is None:
+                    logger.warning("worker pid %d ignored shutdown; sending SIGTERM", proc.pid)
+                    proc.terminate()
+            await self._wait_exit(TERM_GRACE_S)
         for proc in self._procs:
             if proc.poll() is None:
-                logger.warning("worker pid %d ignored shutdown; sending SIGTERM", proc.pid)
-                proc.terminate()
-        await self._wait_exit(TERM_GRACE_S)
-        for proc in self._procs:
-            if proc.poll() is None:
-                logger.warning("worker pid %d ignored SIGTERM; sending SIGKILL", proc.pid)
+                why = "is stuck after a rank died" if failed else "ignored SIGTERM"
+                logger.warning("worker pid %d %s; sending SIGKILL", proc.pid, why)
                 proc.kill()
         await self._wait_exit(None)
 

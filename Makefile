@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,dev]'
+	$(BIN)/pip install -q -e '.[test,dev,bench]'
 	touch $(STAMP)
 
 demo: setup
@@ -30,6 +30,7 @@ lint: setup
 bench: setup
 	$(BIN)/python scripts/bench_ipc.py
 	$(BIN)/python scripts/bench_engine.py
+	$(BIN)/python scripts/bench_serve.py
 
 clean:
 	rm -rf $(VENV) .cache bench-results

@@ -69,6 +69,10 @@ class EngineConfig:
         distributed_host: this machine's IP address for ranks on other machines: channels then use
             TCP bound to it (never `*`), authenticated with CURVE, and tensors travel as zmq frames
             instead of shared memory. None keeps everything on ipc:// and shared memory.
+        restart_on_worker_failure: when a worker dies, `AsyncEngine` replaces the executor and recomputes
+            the running requests instead of failing them.
+        max_worker_restarts: how many executor restarts an engine may make in its life; after that a
+            dead worker fails every request with `WorkerDiedError`.
     """
 
     model: str | None = None
@@ -96,6 +100,8 @@ class EngineConfig:
     ray_address: str | None = None
     ray_placement_strategy: RayPlacementStrategy = "PACK"
     distributed_host: str | None = None
+    restart_on_worker_failure: bool = False
+    max_worker_restarts: int = 3
 
     def __post_init__(self) -> None:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
@@ -118,8 +124,18 @@ class EngineConfig:
         _check_positive("worker_start_timeout_s", self.worker_start_timeout_s)
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "seed"):
-            _check_int(name, getattr(self, name), minimum=1 if name != "seed" else 0)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("seed", "max_worker_restarts"):
+            _check_int(name, getattr(self, name), minimum=0)
+        for name in (
+            "enforce_eager",
+            "check_rank_agreement",
+            "enable_prefix_caching",
+            "restart_on_worker_failure",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, minimum=1)
         if self.kv_cache_memory_bytes is not None:

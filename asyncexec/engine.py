@@ -5,6 +5,11 @@ executor.execute_model(out)` -> `Scheduler.update_from_output()` -> one `Request
 that progressed. Steps are serialized by a lock, so a direct `step()` caller and the background loop
 never interleave. The background loop runs only while `generate()` callers are waiting.
 
+Self-healing (`restart_on_worker_failure`): when a worker dies, the step that saw it shuts the executor
+down, starts a fresh one with a KV cache of the same size, and re-queues every running request as
+preempted with the tokens it has, so recompute continues it; streams see a gap, not an error. Each
+attempt counts against `max_worker_restarts`; past it, `WorkerDiedError` reaches every caller.
+
 Nothing bound to an event loop exists before `start()`, so an engine may be created anywhere and
 several engines can share a process and a loop.
 """
@@ -14,15 +19,24 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncGenerator, Sequence
 from types import TracebackType
 from typing import Any
 
 from asyncexec.config import EngineConfig
-from asyncexec.detokenizer import IncrementalDetokenizer
-from asyncexec.errors import ConfigError, EngineOverloadedError, ExecutorClosedError, InvalidRequestError
+from asyncexec.errors import (
+    ConfigError,
+    EngineOverloadedError,
+    ExecutorClosedError,
+    InvalidRequestError,
+    WorkerDiedError,
+    WorkerStartupError,
+)
 from asyncexec.executor import Executor
+from asyncexec.metrics import EngineMetrics
 from asyncexec.outputs import RequestOutput
+from asyncexec.processor import InputProcessor, OutputProcessor, load_tokenizer
 from asyncexec.sampling_params import SamplingParams
 from asyncexec.scheduler import Request, Scheduler
 
@@ -45,13 +59,16 @@ class AsyncEngine:
         self.tokenizer: Any = None
         self.model_info: dict[str, Any] = {}
         self.num_blocks = 0
+        self.num_restarts = 0
+        self.metrics = EngineMetrics(self.stats)
+        self._inputs: InputProcessor | None = None
+        self._outputs = OutputProcessor(None)
         self._streams: dict[str, asyncio.Queue[_Item]] = {}
         self._lock: asyncio.Lock | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._dead: BaseException | None = None
         self._closed = False
         self._ids = itertools.count()
-        self._detok: dict[str, IncrementalDetokenizer] = {}
 
     # ----- lifecycle --------------------------------------------------------------------------------
 
@@ -70,7 +87,9 @@ class AsyncEngine:
                 self.model_info["max_model_len"],
                 self.model_info["eos_token_ids"],
             )
-            self.tokenizer = await asyncio.to_thread(_load_tokenizer, self.config.model)
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model)
+            self._inputs = InputProcessor(self.config, self.tokenizer, self.model_info, self.num_blocks)
+            self._outputs = OutputProcessor(self.tokenizer)
         except BaseException:
             await self.executor.shutdown()
             raise
@@ -118,6 +137,18 @@ class AsyncEngine:
     ) -> None:
         await self.shutdown()
 
+    @property
+    def is_closed(self) -> bool:
+        """True once `shutdown()` has begun."""
+        return self._closed
+
+    @property
+    def is_healthy(self) -> bool:
+        """True while the engine can serve: started, not shut down, and no failure it cannot heal."""
+        if self.scheduler is None or self._closed or self._dead is not None or self.executor is None:
+            return False
+        return not self.executor.is_failed or self._can_restart()
+
     # ----- requests ---------------------------------------------------------------------------------
 
     def add_request(
@@ -128,10 +159,11 @@ class AsyncEngine:
     ) -> str:
         """Queue a request; validates synchronously and returns its id."""
         sched = self._live_scheduler()
+        assert self._inputs is not None
         sp = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(sp, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
-        ids = self._tokenize(prompt)
+        ids = self._inputs.tokenize(prompt)
         rid = f"req-{next(self._ids)}" if request_id is None else request_id
         if not isinstance(rid, str) or not rid:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {rid!r}")
@@ -143,48 +175,20 @@ class AsyncEngine:
                 f"{len(sched.waiting)} requests are waiting (max_waiting_requests={limit})"
             )
         sched.add_request(Request(rid, ids, sp))
+        self.metrics.prompt_tokens.inc(len(ids))
         return rid
-
-    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        max_len, vocab = self.model_info["max_model_len"], self.model_info["vocab_size"]
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError(
-                    "prompt: text needs a tokenizer in the model folder; pass token ids"
-                )
-            ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        elif isinstance(prompt, (list, tuple)):
-            bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(
-                    f"prompt: token ids must be integers in [0, {vocab}), got {bad[:5]}"
-                )
-            ids = list(prompt)
-        else:
-            raise InvalidRequestError(
-                f"prompt must be a str or a list of token ids, got {type(prompt).__name__}"
-            )
-        if not ids:
-            raise InvalidRequestError("prompt is empty")
-        if len(ids) >= max_len:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens, but max_model_len={max_len} leaves no room to generate"
-            )
-        if -(-(len(ids) + 1) // self.config.block_size) > self.num_blocks - 1:
-            raise InvalidRequestError(
-                f"prompt of {len(ids)} tokens needs more KV blocks than the cache holds"
-            )
-        return ids
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks; its stream, if any, ends with finish_reason "abort"."""
         if self.scheduler is None:
             return
         req = self.scheduler.finish(request_id, "abort")
-        q = self._streams.get(request_id)
-        if req is not None and q is not None:
-            q.put_nowait(self._output(req, []))
-        self._detok.pop(request_id, None)
+        if req is not None:
+            self.metrics.on_finished("abort")
+            q = self._streams.get(request_id)
+            if q is not None:
+                q.put_nowait(self._outputs.make_output(req, []))
+        self._outputs.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_unfinished_requests()
@@ -203,6 +207,7 @@ class AsyncEngine:
             "prefix_cache_hits": kv.stats.hits,
             "prefix_cache_hit_rate": kv.stats.hit_rate,
             "num_preemptions": sched.num_preemptions,
+            "num_restarts": self.num_restarts,
         }
 
     async def collective_rpc(
@@ -221,25 +226,67 @@ class AsyncEngine:
     async def step(self) -> list[RequestOutput]:
         """One scheduling step: an output for every request that progressed or finished in it."""
         sched = self._live_scheduler()
-        assert self._lock is not None and self.executor is not None
+        assert self._lock is not None
         async with self._lock:
             if self._dead is not None:
                 raise ExecutorClosedError(f"engine has failed: {self._dead}") from self._dead
             if not sched.has_work():
                 return []
+            assert self.executor is not None
+            t0 = time.perf_counter()
             so = sched.schedule()
             try:
                 out = await self.executor.execute_model(so)
-            except BaseException as e:
-                if not isinstance(e, asyncio.CancelledError):
-                    self._die(e)
+            except asyncio.CancelledError:
                 raise
-            outputs = [self._output(req, toks) for req, toks in sched.update_from_output(so, out)]
+            except BaseException as e:
+                death = _worker_death(e)
+                if death is None or not self._can_restart():
+                    self._die(death or e)
+                    if death is not None and death is not e:
+                        raise death from e  # the idle death that closed the executor
+                    raise
+                await self._restart(death)
+                return []
+            progressed = sched.update_from_output(so, out)
+            self.metrics.on_step(time.perf_counter() - t0, progressed)
+            outputs = [self._outputs.make_output(req, toks) for req, toks in progressed]
         for o in outputs:
             q = self._streams.get(o.request_id)
             if q is not None:
                 q.put_nowait(o)
         return outputs
+
+    def _can_restart(self) -> bool:
+        return self.config.restart_on_worker_failure and self.num_restarts < self.config.max_worker_restarts
+
+    async def _restart(self, cause: WorkerDiedError) -> None:
+        """Replace the executor after `cause`; every attempt counts. Runs under the step lock."""
+        assert self.executor is not None and self.scheduler is not None
+        while True:
+            self.num_restarts += 1
+            self.metrics.worker_restarts.inc()
+            logger.warning(
+                "%s; restarting the executor (restart %d of %d), %d requests to recompute",
+                cause,
+                self.num_restarts,
+                self.config.max_worker_restarts,
+                len(self.scheduler.running) + len(self.scheduler.waiting),
+            )
+            await self.executor.shutdown()
+            self.scheduler.reset_for_new_workers()
+            self.executor = Executor.create(self.config)
+            try:
+                await self.executor.start()
+                await self.executor.initialize_kv_cache(self.num_blocks)
+                return
+            except (WorkerDiedError, WorkerStartupError, ExecutorClosedError) as e:
+                logger.error("executor restart %d failed: %s", self.num_restarts, e)
+                if not self._can_restart():
+                    await self.executor.shutdown()
+                    self._die(_worker_death(e) or e)
+                    raise
+                cause = _worker_death(e) or cause
 
     async def generate(
         self,
@@ -280,6 +327,10 @@ class AsyncEngine:
     def _die(self, exc: BaseException) -> None:
         self._dead = exc
         logger.error("engine failed: %s", exc)
+        if self.scheduler is not None:
+            for rid in list(self.scheduler.requests):
+                self.scheduler.finish(rid, "error")
+                self.metrics.on_finished("error")
         for q in self._streams.values():
             q.put_nowait(exc)
 
@@ -292,34 +343,11 @@ class AsyncEngine:
             raise ExecutorClosedError("engine is not started: use `async with` or `await engine.start()`")
         return self.scheduler
 
-    def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
-        text = None
-        if self.tokenizer is not None:
-            detok = self._detok.get(req.request_id)
-            if detok is None:
-                detok = self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer)
-            detok.update(req.output_token_ids)
-            if req.finish_reason is not None:
-                detok.flush(req.output_token_ids)
-                del self._detok[req.request_id]
-            text = detok.text
-        return RequestOutput(
-            req.request_id,
-            req.prompt_token_ids,
-            list(req.output_token_ids),
-            list(new_tokens),
-            text,
-            req.finish_reason is not None,
-            req.finish_reason,  # type: ignore[arg-type]
-            list(req.logprobs) if req.sampling_params.logprobs is not None else None,
-        )
 
-
-def _load_tokenizer(path: str | None) -> Any:
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        logger.info("no tokenizer in %s (%s); prompts must be token ids", path, e)
-        return None
+def _worker_death(exc: BaseException) -> WorkerDiedError | None:
+    """The `WorkerDiedError` behind `exc` (a pending call's, or the one that closed the executor)."""
+    while exc is not None:
+        if isinstance(exc, WorkerDiedError):
+            return exc
+        exc = exc.__cause__  # type: ignore[assignment]
+    return None

@@ -12,9 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-
-__all__ = ["ARCHS", "TINY_VOCAB_SIZE", "make_tiny_model"]
+__all__ = ["ARCHS", "BENCH_MODEL", "TINY_VOCAB_SIZE", "make_tiny_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +20,13 @@ Arch = Literal["llama", "qwen2", "mistral", "gpt2"]
 ARCHS: tuple[Arch, ...] = ("llama", "qwen2", "mistral", "gpt2")
 BOS, EOS, PAD = 256, 257, 258
 TINY_VOCAB_SIZE = 259
+# The benchmarks' llama: 4 layers of width 256, big enough that the forward is not all overhead.
+BENCH_MODEL = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "max_position_embeddings": 1024,
+}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -81,6 +86,7 @@ def make_tiny_model(path: str | Path, arch: Arch = "llama", seed: int = 0, **con
 
     `config_overrides` go to the transformers config (`num_hidden_layers=4`, `hidden_size=256`, ...).
     """
+    import torch
     import transformers
 
     if arch not in ARCHS:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -50,6 +51,9 @@ class Request:
     num_computed_tokens: int = 0
     known_to_workers: bool = False
     finish_reason: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float = 0.0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -95,6 +99,23 @@ class Scheduler:
         if req.known_to_workers:
             self._finished_ids.append(req_id)
         return req
+
+    def reset_for_new_workers(self) -> None:
+        """The workers were replaced: every running request is preempted (its tokens kept, to recompute),
+        the KV cache's blocks and prefix hashes are dropped, and every request is sent anew in full."""
+        for req in reversed(self.running):
+            req.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(req)
+        self.running.clear()
+        stats = self.kv.stats
+        self.kv = KVCacheManager(
+            self.kv.pool.num_usable + 1, self.config.block_size, self.kv.enable_prefix_caching
+        )
+        self.kv.stats = stats
+        for req in self.waiting:
+            req.num_computed_tokens = 0
+            req.known_to_workers = False
+        self._finished_ids.clear()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)

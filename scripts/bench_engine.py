@@ -27,7 +27,7 @@ import torch
 import uvloop
 
 from asyncexec import AsyncEngine, EngineConfig, SamplingParams
-from asyncexec.models import EOS, PAD, make_tiny_model
+from asyncexec.models import BENCH_MODEL, EOS, PAD, make_tiny_model
 
 MODEL = os.path.join(".cache", "bench-llama")
 Work = list[tuple[list[int], int]]
@@ -151,14 +151,7 @@ def main() -> None:
     args = ap.parse_args()
     if not os.path.isdir(MODEL):
         progress(f"building {MODEL}")
-        make_tiny_model(
-            MODEL,
-            "llama",
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=4,
-            max_position_embeddings=1024,
-        )
+        make_tiny_model(MODEL, "llama", **BENCH_MODEL)
     work = workload(16, 128, 64) if args.quick else workload(64, 512, 256)
     from transformers import AutoModelForCausalLM
 

@@ -1,0 +1,1 @@
+"""Ways in: the OpenAI-compatible HTTP server (`api_server`) and the `asyncexec` command line (`cli`)."""

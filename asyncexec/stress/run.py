@@ -1,0 +1,271 @@
+"""The stress run itself: clients, the worker killer, the progress bar, and what they measure."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncexec.config import EngineConfig
+from asyncexec.engine import AsyncEngine
+from asyncexec.errors import AsyncExecError, InvalidRequestError
+from asyncexec.ipc.shm import SHM_DIR
+from asyncexec.sampling_params import SamplingParams
+
+__all__ = ["KINDS", "StressResult", "StressRun", "stress"]
+
+KINDS = ("normal", "reference", "abort", "cancel", "bad")
+
+
+@dataclass
+class _Record:
+    kind: str
+    start: float
+    outcome: str | None = None  # finished | aborted | rejected | errored | accepted-bad
+    first_token: float | None = None
+    end: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class StressRun:
+    rng: random.Random
+    records: list[_Record] = field(default_factory=list)
+    tokens: int = 0
+    mismatches: list[str] = field(default_factory=list)
+    kills: int = 0
+    stop: bool = False
+
+
+@dataclass
+class StressResult:
+    run: StressRun
+    timeline: list[float]  # tokens generated in each second of the measured phase
+    elapsed: float
+    stats: dict[str, float]  # engine.stats() at the end, before shutdown
+    unfinished: bool
+    rss_mib: dict[str, dict[str, float]]
+    fds: dict[str, int]
+    shm_segments: dict[str, int]
+
+
+def _rss_mib(pid: int) -> float:
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _segments() -> int:
+    return sum(n.startswith("asyncexec-") for n in os.listdir(SHM_DIR))
+
+
+def _worker_pids(engine: AsyncEngine) -> list[int]:
+    return list(getattr(engine.executor, "worker_pids", []))
+
+
+def _processes(engine: AsyncEngine) -> dict[str, float]:
+    out = {"engine": _rss_mib(os.getpid())}
+    for rank, pid in enumerate(_worker_pids(engine)):
+        out[f"rank{rank}"] = _rss_mib(pid)
+    return out
+
+
+async def _one(
+    engine: AsyncEngine, run: StressRun, refs: list[tuple[list[int], list[int]]], ns: argparse.Namespace
+) -> None:
+    rng = run.rng
+    r = rng.random()
+    kind = (
+        "bad"
+        if r < ns.bad_request_rate
+        else "reference"
+        if r < ns.bad_request_rate + ns.reference_rate
+        else rng.choice(("abort", "cancel"))
+        if r < ns.bad_request_rate + ns.reference_rate + ns.abort_rate
+        else "normal"
+    )
+    rec = _Record(kind, time.monotonic())
+    run.records.append(rec)
+    vocab = engine.model_info["vocab_size"]
+    prompt: Any = [rng.randrange(vocab) for _ in range(rng.randint(1, ns.max_prompt_len))]
+    sp = SamplingParams(
+        max_tokens=rng.randint(1, ns.max_output_len), temperature=0.8, seed=rng.randrange(1 << 30)
+    )
+    ref: list[int] | None = None
+    if kind == "reference":
+        prompt, ref = rng.choice(refs)
+        sp = SamplingParams(max_tokens=len(ref), temperature=0.0, ignore_eos=True)
+    elif kind == "bad":
+        prompt = rng.choice(
+            [[], [vocab + 5], [-1, 3], "x" * 0, 3.5, [0] * engine.model_info["max_model_len"]]
+        )
+    stop_after = rng.randint(1, max(1, sp.max_tokens - 1)) if kind == "abort" else None
+
+    async def consume() -> list[int]:
+        toks: list[int] = []
+        async with contextlib.aclosing(engine.generate(prompt, sp)) as stream:
+            async for out in stream:
+                if rec.first_token is None and out.new_token_ids:
+                    rec.first_token = time.monotonic()
+                run.tokens += len(out.new_token_ids)
+                toks = out.token_ids
+                if stop_after is not None and len(toks) >= stop_after and not out.finished:
+                    rec.outcome = "aborted"
+                    break
+        return toks
+
+    try:
+        if kind == "cancel":
+            task = asyncio.ensure_future(consume())
+            done, _ = await asyncio.wait({task}, timeout=rng.uniform(0.01, 1.0))
+            if not done:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                rec.outcome = "aborted"
+            else:
+                task.result()
+        else:
+            toks = await consume()
+            if kind == "bad":
+                rec.outcome = "accepted-bad"
+            if ref is not None and toks != ref:
+                run.mismatches.append(f"prompt {prompt[:8]}...: got {toks[:12]}, reference {ref[:12]}")
+        if rec.outcome is None:
+            rec.outcome = "finished"
+    except InvalidRequestError as e:
+        rec.outcome = "rejected" if kind == "bad" else "errored"
+        rec.error = None if kind == "bad" else str(e)
+    except AsyncExecError as e:
+        rec.outcome, rec.error = "errored", str(e).splitlines()[0]
+    rec.end = time.monotonic()
+
+
+async def _collect(engine: AsyncEngine, prompt: list[int], sp: SamplingParams) -> list[int]:
+    toks: list[int] = []
+    async for out in engine.generate(prompt, sp):
+        toks = out.token_ids
+    return toks
+
+
+async def _load(
+    engine: AsyncEngine,
+    run: StressRun,
+    refs: list[tuple[list[int], list[int]]],
+    ns: argparse.Namespace,
+    deadline: float,
+    budget: int | None,
+    drain_s: float = 120.0,
+) -> None:
+    """`ns.concurrency` clients issue requests until `deadline` or `budget` requests; then drain."""
+    started = [0]
+
+    async def client() -> None:
+        while not run.stop and time.monotonic() < deadline and (budget is None or started[0] < budget):
+            started[0] += 1
+            await _one(engine, run, refs, ns)
+
+    tasks = [asyncio.ensure_future(client()) for _ in range(ns.concurrency)]
+    wait_s = max(0.0, deadline - time.monotonic()) + drain_s if budget is None else None
+    done, pending = await asyncio.wait(tasks, timeout=wait_s)
+    for t in pending:  # a request that never ends is lost: its record keeps outcome None
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for t in done:
+        if not t.cancelled() and t.exception() is not None:
+            raise t.exception()  # type: ignore[misc]
+
+
+async def _killer(engine: AsyncEngine, run: StressRun, every: float) -> None:
+    while True:
+        await asyncio.sleep(every)
+        pids = _worker_pids(engine)
+        if pids:
+            rank = run.rng.randrange(len(pids))
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pids[rank], signal.SIGKILL)
+                run.kills += 1
+                print(f"\nstress: SIGKILLed rank {rank} (pid {pids[rank]})", file=sys.stderr, flush=True)
+
+
+async def _ticker(engine: AsyncEngine, run: StressRun, ns: argparse.Namespace, timeline: list[float]) -> None:
+    from tqdm import tqdm
+
+    total = ns.requests if ns.requests is not None else ns.duration
+    unit = "req" if ns.requests is not None else "s"
+    bar = tqdm(total=total, unit=unit, disable=ns.no_progress, file=sys.stderr, dynamic_ncols=True)
+    t0, last_tokens = time.monotonic(), run.tokens
+    try:
+        while True:
+            await asyncio.sleep(1.0)
+            timeline.append(float(run.tokens - last_tokens))
+            last_tokens = run.tokens
+            done = sum(r.outcome is not None for r in run.records)
+            bar.n = min(total, done if ns.requests is not None else round(time.monotonic() - t0))
+            bar.set_postfix(done=done, tok_s=int(timeline[-1]), restarts=engine.num_restarts, kills=run.kills)
+    finally:
+        bar.close()
+
+
+async def stress(ns: argparse.Namespace, config: EngineConfig) -> StressResult:
+    """Run the load the flags describe on a fresh engine, and measure it."""
+    fds0, seg0 = _fds(), _segments()
+    run = StressRun(random.Random(ns.stress_seed))
+    engine = AsyncEngine(config)
+    print(f"stress: starting the engine ({config.executor_kind}, {config.world_size} ranks)", file=sys.stderr)
+    await engine.start()
+    timeline: list[float] = []
+    try:
+        vocab, rng = engine.model_info["vocab_size"], run.rng
+        ref_prompts = [
+            [rng.randrange(vocab) for _ in range(rng.randint(4, ns.max_prompt_len))] for _ in range(8)
+        ]
+        ref_sp = SamplingParams(max_tokens=ns.max_output_len, temperature=0.0, ignore_eos=True)
+        ref_outs = await asyncio.gather(*(_collect(engine, p, ref_sp) for p in ref_prompts))
+        refs = list(zip(ref_prompts, ref_outs, strict=True))
+        print(
+            f"stress: {len(refs)} greedy references computed; warming up for {ns.warmup:g} s", file=sys.stderr
+        )
+        await _load(engine, run, refs, ns, time.monotonic() + ns.warmup, None)
+        rss0, fds_warm, seg_warm = _processes(engine), _fds(), _segments()
+        t0 = time.monotonic()
+        side = [asyncio.ensure_future(_ticker(engine, run, ns, timeline))]
+        if ns.kill_worker_every:
+            side.append(asyncio.ensure_future(_killer(engine, run, ns.kill_worker_every)))
+        try:
+            deadline = t0 + ns.duration if ns.requests is None else math.inf
+            await _load(engine, run, refs, ns, deadline, ns.requests)
+        finally:
+            for t in side:
+                t.cancel()
+            await asyncio.gather(*side, return_exceptions=True)
+        elapsed = time.monotonic() - t0
+        stats, rss1, fds_end, seg_end = engine.stats(), _processes(engine), _fds(), _segments()
+        unfinished = engine.has_unfinished_requests()
+    finally:
+        await engine.shutdown()
+    fds1, seg1 = _fds(), _segments()
+    return StressResult(
+        run,
+        timeline,
+        elapsed,
+        stats,
+        unfinished,
+        rss_mib={"start": rss0, "end": rss1},
+        fds={"before_start": fds0, "after_warmup": fds_warm, "end": fds_end, "after_shutdown": fds1},
+        shm_segments={"before_start": seg0, "after_warmup": seg_warm, "end": seg_end, "after_shutdown": seg1},
+    )

@@ -1,0 +1,133 @@
+"""The `asyncexec` command line end to end, its flags, and examples/embed_fastapi.py as a real server."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from asyncexec import AsyncEngine, EngineConfig, SamplingParams
+from asyncexec.entrypoints.cli import build_parser
+from asyncexec.entrypoints.config_args import engine_config_from_args
+from tests.engine.test_engine import collect
+from tests.entrypoints.server import ServerProcess
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "asyncexec", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
+
+
+async def test_make_model_then_generate_streams_the_engine_output(tmp_path: Path) -> None:
+    model = tmp_path / "tiny-gpt2"
+    made = cli("make-model", str(model), "--arch", "gpt2", "--seed", "3")
+    assert made.returncode == 0, made.stderr
+    assert "[1/2]" in made.stderr and "[2/2] wrote" in made.stderr
+    assert (model / "config.json").is_file() and (model / "tokenizer.json").is_file()
+    gen = cli("generate", "--model", str(model), "--max-tokens", "10", "--ignore-eos", "hello", "world")
+    assert gen.returncode == 0, gen.stderr
+    assert "20 tokens in" in gen.stderr
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    async with AsyncEngine(EngineConfig(model=str(model))) as engine:
+        refs = [await collect(engine, p, sp) for p in ("hello", "world")]
+    assert gen.stdout == "".join(f"[{i}] {r.text}\n" for i, r in enumerate(refs))
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["generate", "--model", "/nonexistent/dir", "hi"], "does not exist"),
+        (["generate", "--model", "{model}", "--bogus", "hi"], "unrecognized arguments: --bogus"),
+        (["generate", "--model", "{model}", "--max-num-seqs", "x", "hi"], "invalid int value"),
+        (["generate", "--model", "{model}", "--executor", "tpu", "hi"], "'tpu' is not one of uni, mp, ray"),
+        (["generate", "--model", "{model}", "--max-num-seqs", "0", "hi"], "max_num_seqs must be >= 1"),
+        (["generate", "--model", "{model}"], "the following arguments are required: PROMPT"),
+        (["serve"], "the following arguments are required: --model"),
+        (["serve", "--model", "{model}", "--port", "70000"], "--port must be in 0..65535"),
+        (["make-model", "{model}"], "exists and is not an empty folder"),
+        (["make-model", "/tmp/x", "--arch", "bert"], "invalid choice: 'bert'"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["stress", "--duration", "5", "--requests", "3"], "not both"),
+    ],
+)
+def test_bad_command_lines_give_one_line_and_status_2(
+    args: list[str], needle: str, tiny_models: dict[str, Path]
+) -> None:
+    r = cli(*(a.replace("{model}", str(tiny_models["llama"])) for a in args))
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_every_engine_config_field_is_a_flag_with_help() -> None:
+    for command in ("generate", "serve", "stress"):
+        r = cli(command, "--help", timeout=60)
+        assert r.returncode == 0
+        for f in dataclasses.fields(EngineConfig):
+            assert "--" + f.name.replace("_", "-") in r.stdout, (command, f.name)
+    assert "--enable-prefix-caching, --no-enable-prefix-caching" in r.stdout
+    assert "(default: 64)" in r.stdout  # max_num_seqs
+
+
+def test_flags_become_an_engine_config() -> None:
+    ns = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            "m",
+            "--tensor-parallel-size",
+            "2",
+            "--executor",
+            "mp",
+            "--rpc-timeout-s",
+            "none",
+            "--cudagraph-capture-sizes",
+            "4",
+            "2",
+            "--no-enable-prefix-caching",
+            "--gpu-memory-utilization",
+            "0.5",
+            "--max-num-seqs",
+            "8",
+            "--restart-on-worker-failure",
+        ]
+    )
+    cfg = engine_config_from_args(ns)
+    assert cfg == EngineConfig(
+        model="m",
+        tensor_parallel_size=2,
+        executor="mp",
+        rpc_timeout_s=None,
+        cudagraph_capture_sizes=(4, 2),
+        enable_prefix_caching=False,
+        gpu_memory_utilization=0.5,
+        max_num_seqs=8,
+        restart_on_worker_failure=True,
+    )
+    assert engine_config_from_args(build_parser().parse_args(["serve", "--model", "m"])) == EngineConfig(
+        model="m"
+    )
+
+
+def test_the_fastapi_example_embeds_the_engine(tiny_models: dict[str, Path]) -> None:
+    script = [
+        sys.executable,
+        str(REPO / "examples" / "embed_fastapi.py"),
+        "--model",
+        str(tiny_models["llama"]),
+    ]
+    with ServerProcess(tiny_models["llama"], script=script) as srv:
+        r = httpx.post(srv.url + "/summarize", json={"text": "hello", "max_tokens": 5}, timeout=60)
+        assert r.status_code == 200 and r.json()["tokens"] >= 1
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "tiny"
+        r = httpx.post(srv.url + "/summarize", json={"text": "", "max_tokens": 5}, timeout=60)
+        assert r.status_code == 400 and "empty" in r.json()["error"]["message"]
+        assert srv.stop() in (0, -15)  # uvicorn re-raises the SIGTERM it drained on

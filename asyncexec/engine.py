@@ -5,10 +5,10 @@ executor.execute_model(out)` -> `Scheduler.update_from_output()` -> one `Request
 that progressed. Steps are serialized by a lock, so a direct `step()` caller and the background loop
 never interleave. The background loop runs only while `generate()` callers are waiting.
 
-Self-healing (`restart_on_worker_failure`): when a worker dies, the step that saw it shuts the executor
-down, starts a fresh one with a KV cache of the same size, and re-queues every running request as
-preempted with the tokens it has, so recompute continues it; streams see a gap, not an error. Each
-attempt counts against `max_worker_restarts`; past it, `WorkerDiedError` reaches every caller.
+Self-healing (`restart_on_worker_failure`): when a worker dies, the step that saw it has the
+`ExecutorSupervisor` replace the executor, and re-queues every running request as preempted with the
+tokens it has, so recompute continues it; streams see a gap, not an error. Past `max_worker_restarts`,
+`WorkerDiedError` reaches every caller.
 
 Nothing bound to an event loop exists before `start()`, so an engine may be created anywhere and
 several engines can share a process and a loop.
@@ -30,8 +30,6 @@ from asyncexec.errors import (
     EngineOverloadedError,
     ExecutorClosedError,
     InvalidRequestError,
-    WorkerDiedError,
-    WorkerStartupError,
 )
 from asyncexec.executor import Executor
 from asyncexec.metrics import EngineMetrics
@@ -39,6 +37,7 @@ from asyncexec.outputs import RequestOutput
 from asyncexec.processor import InputProcessor, OutputProcessor, load_tokenizer
 from asyncexec.sampling_params import SamplingParams
 from asyncexec.scheduler import Request, Scheduler
+from asyncexec.supervisor import ExecutorSupervisor, worker_death
 
 __all__ = ["AsyncEngine"]
 
@@ -54,13 +53,12 @@ class AsyncEngine:
         if config.model is None:
             raise ConfigError("AsyncEngine needs config.model (a local model folder)")
         self.config = config
-        self.executor: Executor | None = None
         self.scheduler: Scheduler | None = None
         self.tokenizer: Any = None
         self.model_info: dict[str, Any] = {}
         self.num_blocks = 0
-        self.num_restarts = 0
         self.metrics = EngineMetrics(self.stats)
+        self._supervisor = ExecutorSupervisor(config, self.metrics)
         self._inputs: InputProcessor | None = None
         self._outputs = OutputProcessor(None)
         self._streams: dict[str, asyncio.Queue[_Item]] = {}
@@ -77,10 +75,9 @@ class AsyncEngine:
         if self.executor is not None:
             raise ExecutorClosedError("engine was already started")
         self._lock = asyncio.Lock()
-        self.executor = Executor.create(self.config)
+        executor = await self._supervisor.start()
         try:
-            await self.executor.start()
-            self.num_blocks = await self._initialize_kv_cache(self.executor)
+            self.num_blocks = await self._initialize_kv_cache(executor)
             self.scheduler = Scheduler(
                 self.config,
                 self.num_blocks,
@@ -91,8 +88,9 @@ class AsyncEngine:
             self._inputs = InputProcessor(self.config, self.tokenizer, self.model_info, self.num_blocks)
             self._outputs = OutputProcessor(self.tokenizer)
         except BaseException:
-            await self.executor.shutdown()
+            await self._supervisor.shutdown()
             raise
+        self._supervisor.fill_spares()
 
     async def _initialize_kv_cache(self, executor: Executor) -> int:
         self.model_info = (await executor.collective_rpc("get_model_info"))[0]
@@ -125,8 +123,7 @@ class AsyncEngine:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         for q in self._streams.values():
             q.put_nowait(ExecutorClosedError("engine shut down while the request was running"))
-        if self.executor is not None:
-            await self.executor.shutdown()
+        await self._supervisor.shutdown()
 
     async def __aenter__(self) -> AsyncEngine:
         await self.start()
@@ -138,6 +135,16 @@ class AsyncEngine:
         await self.shutdown()
 
     @property
+    def executor(self) -> Executor | None:
+        """The executor running the workers now (a restart replaces it)."""
+        return self._supervisor.executor
+
+    @property
+    def num_restarts(self) -> int:
+        """Executor restarts so far, failed attempts included."""
+        return self._supervisor.num_restarts
+
+    @property
     def is_closed(self) -> bool:
         """True once `shutdown()` has begun."""
         return self._closed
@@ -147,7 +154,7 @@ class AsyncEngine:
         """True while the engine can serve: started, not shut down, and no failure it cannot heal."""
         if self.scheduler is None or self._closed or self._dead is not None or self.executor is None:
             return False
-        return not self.executor.is_failed or self._can_restart()
+        return not self.executor.is_failed or self._supervisor.can_restart
 
     # ----- requests ---------------------------------------------------------------------------------
 
@@ -240,13 +247,17 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 raise
             except BaseException as e:
-                death = _worker_death(e)
-                if death is None or not self._can_restart():
+                death = worker_death(e)
+                if death is None or not self._supervisor.can_restart:
                     self._die(death or e)
                     if death is not None and death is not e:
                         raise death from e  # the idle death that closed the executor
                     raise
-                await self._restart(death)
+                try:
+                    await self._supervisor.restart(death, self.num_blocks, self._workers_replaced)
+                except BaseException as failed:
+                    self._die(worker_death(failed) or failed)
+                    raise
                 return []
             progressed = sched.update_from_output(so, out)
             self.metrics.on_step(time.perf_counter() - t0, progressed)
@@ -257,36 +268,10 @@ class AsyncEngine:
                 q.put_nowait(o)
         return outputs
 
-    def _can_restart(self) -> bool:
-        return self.config.restart_on_worker_failure and self.num_restarts < self.config.max_worker_restarts
-
-    async def _restart(self, cause: WorkerDiedError) -> None:
-        """Replace the executor after `cause`; every attempt counts. Runs under the step lock."""
-        assert self.executor is not None and self.scheduler is not None
-        while True:
-            self.num_restarts += 1
-            self.metrics.worker_restarts.inc()
-            logger.warning(
-                "%s; restarting the executor (restart %d of %d), %d requests to recompute",
-                cause,
-                self.num_restarts,
-                self.config.max_worker_restarts,
-                len(self.scheduler.running) + len(self.scheduler.waiting),
-            )
-            await self.executor.shutdown()
-            self.scheduler.reset_for_new_workers()
-            self.executor = Executor.create(self.config)
-            try:
-                await self.executor.start()
-                await self.executor.initialize_kv_cache(self.num_blocks)
-                return
-            except (WorkerDiedError, WorkerStartupError, ExecutorClosedError) as e:
-                logger.error("executor restart %d failed: %s", self.num_restarts, e)
-                if not self._can_restart():
-                    await self.executor.shutdown()
-                    self._die(_worker_death(e) or e)
-                    raise
-                cause = _worker_death(e) or cause
+    def _workers_replaced(self) -> int:
+        assert self.scheduler is not None
+        self.scheduler.reset_for_new_workers()
+        return len(self.scheduler.waiting)
 
     async def generate(
         self,
@@ -342,12 +327,3 @@ class AsyncEngine:
         if self.scheduler is None:
             raise ExecutorClosedError("engine is not started: use `async with` or `await engine.start()`")
         return self.scheduler
-
-
-def _worker_death(exc: BaseException) -> WorkerDiedError | None:
-    """The `WorkerDiedError` behind `exc` (a pending call's, or the one that closed the executor)."""
-    while exc is not None:
-        if isinstance(exc, WorkerDiedError):
-            return exc
-        exc = exc.__cause__  # type: ignore[assignment]
-    return None

@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 
-class _Wire(msgspec.Struct, array_like=True, gc=False):
+class _Wire(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=True):
     pass
 
 

@@ -13,7 +13,9 @@ from asyncexec.errors import InvalidRequestError
 __all__ = ["SamplingParams"]
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
+class SamplingParams(
+    msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False, forbid_unknown_fields=True
+):
     """How to sample one request's tokens.
 
     `temperature == 0` is greedy. `top_k <= 0`, `top_p == 1` and `min_p == 0` disable those filters.

@@ -79,3 +79,33 @@ class FailingInitExtension:
         if rank == 1:
             raise RuntimeError("rank 1 refuses to start")
         super().__init__(config, rank, *args)  # type: ignore[call-arg]
+
+
+class DieOnLoadExtension:
+    """`load_model` exits the process while the file named by $ASYNCEXEC_TEST_DIE_ON_LOAD exists."""
+
+    def load_model(self) -> None:
+        marker = os.environ.get("ASYNCEXEC_TEST_DIE_ON_LOAD")
+        if marker and os.path.exists(marker):
+            os._exit(3)
+        super().load_model()  # type: ignore[misc]
+
+
+class Rank0FailsAtInitExtension:
+    """Rank 0 never joins the process group, so rank 1 waits in the rendezvous, in C++.
+
+    $ASYNCEXEC_TEST_INIT_FAILURE says how: "exit" (after writing the time to $ASYNCEXEC_TEST_STAMP) or
+    "raise".
+    """
+
+    rank: int
+
+    def init_device(self) -> None:
+        if self.rank == 0:
+            time.sleep(0.5)
+            if os.environ["ASYNCEXEC_TEST_INIT_FAILURE"] == "raise":
+                raise RuntimeError("rank 0 has no device")
+            with open(os.environ["ASYNCEXEC_TEST_STAMP"], "w") as f:
+                f.write(repr(time.time()))
+            os._exit(1)
+        super().init_device()  # type: ignore[misc]

@@ -31,15 +31,16 @@ from typing import Any
 
 import msgspec
 
-import asyncexec
 from asyncexec.errors import (
     ExecutorClosedError,
     ExecutorTimeoutError,
     ProtocolError,
     WorkerDiedError,
+    WorkerFailedError,
     WorkerStartupError,
 )
 from asyncexec.executor.abstract import Executor
+from asyncexec.executor.spares import SpareWorkers, popen_worker
 from asyncexec.ipc.channel import ExecutorChannel
 from asyncexec.ipc.codec import Decoder, Encoder
 from asyncexec.ipc.shm import ShmArena, ShmReader, remove_segments_of, sweep_stale_segments
@@ -62,6 +63,9 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 2.0
 TERM_GRACE_S = 3.0
 FAILED_GRACE_S = 0.5
+# A rank failing one of these leaves its peers waiting in the process-group rendezvous: fail the call
+# on the first error rather than wait for replies that will not come.
+FAIL_FAST_METHODS = frozenset({"init_device", "load_model"})
 _Reply = tuple[Any, RemoteError | None]
 SHUTDOWN_FRAME = msgspec.msgpack.encode(Shutdown())
 
@@ -79,6 +83,7 @@ class MultiProcExecutor(Executor):
     """`tensor_parallel_size` worker processes on this machine."""
 
     _procs: list[subprocess.Popen[bytes]]
+    spares: SpareWorkers | None = None  # set by the owner (AsyncEngine) before start
 
     @property
     def worker_pids(self) -> list[int]:
@@ -134,13 +139,10 @@ class MultiProcExecutor(Executor):
         )
 
     def _launch(self, rank: int, spawn: WorkerSpawn) -> None:
-        """Start rank `rank` as a spawned process (not forked) and watch its exit."""
-        env = dict(os.environ)
-        pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(asyncexec.__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "asyncexec.worker"], stdin=subprocess.PIPE, env=env, close_fds=True
-        )
+        """Start rank `rank` as a spawned process (not forked), or take a spare, and watch its exit."""
+        proc = self.spares.take() if self.spares is not None else None
+        if proc is None:
+            proc = popen_worker()
         self._procs.append(proc)
         self._worker_pids.append(proc.pid)
         self._watch_exit(rank, proc)
@@ -220,7 +222,13 @@ class MultiProcExecutor(Executor):
             return  # a late reply to a call that timed out or was cancelled
         call.replies[msg.rank] = reply
         call.remaining.discard(msg.rank)
-        if not call.remaining:
+        if msg.error is not None and call.method in FAIL_FAST_METHODS and call.remaining:
+            del self._pending[msg.call_id]
+            err = msg.error
+            _fail_future(
+                call.future, WorkerFailedError(msg.rank, call.method, err.type, err.message, err.traceback)
+            )
+        elif not call.remaining:
             del self._pending[msg.call_id]
             _set(call.future, call.replies)
 

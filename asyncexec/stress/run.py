@@ -20,13 +20,13 @@ from asyncexec.errors import AsyncExecError, InvalidRequestError
 from asyncexec.ipc.shm import SHM_DIR
 from asyncexec.sampling_params import SamplingParams
 
-__all__ = ["KINDS", "StressResult", "StressRun", "stress"]
+__all__ = ["KINDS", "Record", "StressResult", "StressRun", "stress"]
 
 KINDS = ("normal", "reference", "abort", "cancel", "bad")
 
 
 @dataclass
-class _Record:
+class Record:
     kind: str
     start: float
     outcome: str | None = None  # finished | aborted | rejected | errored | accepted-bad
@@ -38,7 +38,7 @@ class _Record:
 @dataclass
 class StressRun:
     rng: random.Random
-    records: list[_Record] = field(default_factory=list)
+    records: list[Record] = field(default_factory=list)
     tokens: int = 0
     mismatches: list[str] = field(default_factory=list)
     kills: int = 0
@@ -98,7 +98,7 @@ async def _one(
         if r < ns.bad_request_rate + ns.reference_rate + ns.abort_rate
         else "normal"
     )
-    rec = _Record(kind, time.monotonic())
+    rec = Record(kind, time.monotonic())
     run.records.append(rec)
     vocab = engine.model_info["vocab_size"]
     prompt: Any = [rng.randrange(vocab) for _ in range(rng.randint(1, ns.max_prompt_len))]

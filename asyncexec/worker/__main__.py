@@ -6,7 +6,7 @@ import sys
 
 from asyncexec.worker.proc import main
 
-code = main()
+code = main(sys.argv[1:])
 # Everything this process owns is released by now; skip interpreter teardown, which with torch,
 # gloo and transformers loaded takes seconds (it joins their threads) and adds nothing.
 logging.shutdown()

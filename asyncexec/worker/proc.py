@@ -1,6 +1,7 @@
 """The worker process: `python -m asyncexec.worker`, one per rank, spawned (never forked).
 
-Start-up, in order:
+Start-up, in order (a spare process started with `--preload MODEL_DIR` first imports that model's
+transformers code, then waits here for as long as it takes to be needed):
 1. read one length-prefixed `WorkerSpawn` from stdin (8-byte little-endian length, then msgpack);
 2. start the parent watcher: stdin stays open as the death pipe, and EOF (the executor process is gone,
    even by SIGKILL) unlinks this process's segments and exits at once;
@@ -183,8 +184,21 @@ def _raise_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def main() -> int:
+def preload(model: str) -> None:
+    """Import `model`'s transformers code (most of a worker's start-up) before the spawn message comes."""
+    try:
+        import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        MODEL_FOR_CAUSAL_LM_MAPPING.get(type(transformers.AutoConfig.from_pretrained(model)), None)
+    except Exception:  # loading the model for real reports whatever is wrong with it
+        logger.debug("preloading %s failed", model, exc_info=True)
+
+
+def main(argv: Sequence[str] = ()) -> int:
     """A spawned worker process: the spawn message on stdin, stdin kept as the death pipe."""
+    if len(argv) == 2 and argv[0] == "--preload":
+        preload(argv[1])
     stdin = sys.stdin.fileno()
     spawn = msgspec.msgpack.decode(
         _read_exact(stdin, _LEN.unpack(_read_exact(stdin, 8))[0]), type=WorkerSpawn

@@ -1,0 +1,103 @@
+"""Self-healing: a dead worker costs latency, never a request, until the restart budget is spent."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncexec import AsyncEngine, ExecutorClosedError, SamplingParams, WorkerDiedError
+from asyncexec.executor.multiproc import MultiProcExecutor
+from tests.engine.test_engine import engine_config, run_all
+
+WORK = [([(7 * i + j) % 256 for j in range(3 + 2 * i)], 24 + i) for i in range(16)]
+
+
+def worker_pids(engine: AsyncEngine) -> list[int]:
+    assert isinstance(engine.executor, MultiProcExecutor)
+    return engine.executor.worker_pids
+
+
+async def stream(engine: AsyncEngine, prompt: list[int], max_tokens: int, seen: list[int]) -> list[int]:
+    """The streamed new tokens, checked against each output's running total."""
+    streamed: list[int] = []
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    async for out in engine.generate(prompt, sp):
+        streamed += out.new_token_ids
+        assert streamed == out.token_ids  # nothing repeated or skipped across the restart
+        seen[0] += len(out.new_token_ids)
+    return streamed
+
+
+async def wait_for(cond: object, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_killing_rank_1_mid_stream_heals_with_equal_outputs(tiny_models: dict[str, Path]) -> None:
+    cfg = engine_config(tiny_models["llama"], "mp", 2, restart_on_worker_failure=True)
+    async with AsyncEngine(cfg) as engine:
+        refs = await run_all(engine, WORK)  # the uninterrupted run
+        seen = [0]
+        tasks = [asyncio.ensure_future(stream(engine, p, m, seen)) for p, m in WORK]
+        await wait_for(lambda: seen[0] >= 40)
+        old = worker_pids(engine)
+        os.kill(old[1], signal.SIGKILL)
+        outs = await asyncio.gather(*tasks)  # no stream sees an error, only a gap
+        assert outs == refs
+        assert engine.num_restarts == 1
+        assert engine.metrics.registry.get_sample_value("asyncexec_worker_restarts_total") == 1
+        assert engine.is_healthy and not set(worker_pids(engine)) & set(old)
+        stats = engine.stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"] and stats["num_restarts"] == 1
+        assert await run_all(engine, WORK[:4]) == refs[:4]  # and it keeps serving
+
+
+async def test_an_exhausted_restart_budget_fails_every_caller(tiny_models: dict[str, Path]) -> None:
+    cfg = engine_config(tiny_models["llama"], "mp", 2, restart_on_worker_failure=True, max_worker_restarts=1)
+    async with AsyncEngine(cfg) as engine:
+        seen = [0]
+        long = [(p, 400) for p, _ in WORK[:6]]
+        tasks = [asyncio.ensure_future(stream(engine, p, m, seen)) for p, m in long]
+        await wait_for(lambda: seen[0] >= 12)
+        os.kill(worker_pids(engine)[1], signal.SIGKILL)
+        await wait_for(lambda: engine.num_restarts == 1)
+        before = seen[0]
+        await wait_for(lambda: seen[0] >= before + 12)  # healed once
+        os.kill(worker_pids(engine)[0], signal.SIGKILL)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(r, WorkerDiedError) and r.rank == 0 for r in results), results
+        assert engine.num_restarts == 1 and not engine.is_healthy
+        with pytest.raises(ExecutorClosedError):
+            engine.add_request([1, 2])
+
+
+async def test_a_worker_dying_during_restart_counts_and_never_loops(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = tmp_path / "die"
+    monkeypatch.setenv("ASYNCEXEC_TEST_DIE_ON_LOAD", str(marker))
+    cfg = engine_config(
+        tiny_models["llama"],
+        "mp",
+        2,
+        restart_on_worker_failure=True,
+        max_worker_restarts=2,
+        worker_extension="tests.extensions:DieOnLoadExtension",
+    )
+    async with AsyncEngine(cfg) as engine:
+        seen = [0]
+        tasks = [asyncio.ensure_future(stream(engine, p, 400, seen)) for p, _ in WORK[:4]]
+        await wait_for(lambda: seen[0] >= 8)
+        marker.touch()  # every replacement worker now dies while loading the model
+        os.kill(worker_pids(engine)[1], signal.SIGKILL)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(r, WorkerDiedError) and r.exitcode == 3 for r in results), results
+        assert engine.num_restarts == 2
+        assert engine.metrics.registry.get_sample_value("asyncexec_worker_restarts_total") == 2

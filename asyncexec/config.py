@@ -64,6 +64,7 @@ class EngineConfig:
         check_rank_agreement: debug mode: `execute_model` checks that every rank sampled the same.
         enable_prefix_caching: share the KV blocks of equal prompt prefixes between requests.
         max_waiting_requests: `add_request` raises `EngineOverloadedError` beyond this many queued.
+        max_logprobs: the most top log-probabilities a request may ask for (`SamplingParams.logprobs`).
         ray_address: the Ray cluster to join (`ray.init(address=...)`); None starts a local Ray.
         ray_placement_strategy: the placement group's strategy, one bundle per rank.
         distributed_host: this machine's IP address for ranks on other machines: channels then use
@@ -97,6 +98,7 @@ class EngineConfig:
     check_rank_agreement: bool = False
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
+    max_logprobs: int = 20
     ray_address: str | None = None
     ray_placement_strategy: RayPlacementStrategy = "PACK"
     distributed_host: str | None = None
@@ -126,7 +128,7 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("seed", "max_worker_restarts"):
+        for name in ("seed", "max_worker_restarts", "max_logprobs"):
             _check_int(name, getattr(self, name), minimum=0)
         for name in (
             "enforce_eager",

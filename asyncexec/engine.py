@@ -145,6 +145,11 @@ class AsyncEngine:
         return self._supervisor.num_restarts
 
     @property
+    def restart_seconds(self) -> list[float]:
+        """How long each successful restart took: from the death being seen to the new executor ready."""
+        return list(self._supervisor.restart_seconds)
+
+    @property
     def is_closed(self) -> bool:
         """True once `shutdown()` has begun."""
         return self._closed
@@ -170,6 +175,13 @@ class AsyncEngine:
         sp = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(sp, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
+        if sp.logprobs is not None and sp.logprobs > min(
+            self.config.max_logprobs, self.model_info["vocab_size"]
+        ):
+            raise InvalidRequestError(
+                f"logprobs: at most max_logprobs={self.config.max_logprobs} (and the vocabulary's "
+                f"{self.model_info['vocab_size']}), got {sp.logprobs}"
+            )
         ids = self._inputs.tokenize(prompt)
         rid = f"req-{next(self._ids)}" if request_id is None else request_id
         if not isinstance(rid, str) or not rid:

@@ -104,6 +104,12 @@ class EngineMetrics:
         self.worker_restarts = Counter(
             "asyncexec_worker_restarts", "Executor restarts after a worker died.", registry=r
         )
+        self.restart_time = Histogram(
+            "asyncexec_worker_restart_seconds",
+            "From a worker's death to the replacement executor's readiness.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         r.register(_StateCollector(stats))
 
     def on_finished(self, reason: str, count: int = 1) -> None:

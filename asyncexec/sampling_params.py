@@ -20,7 +20,8 @@ class SamplingParams(
 
     `temperature == 0` is greedy. `top_k <= 0`, `top_p == 1` and `min_p == 0` disable those filters.
     `seed` makes sampling reproducible per request, on every rank and every run. `logprobs=n` returns the
-    top-n log-probabilities of every sampled position.
+    top-n log-probabilities of every sampled position (the engine allows at most `max_logprobs`).
+    Integers must fit in 64 bits.
     """
 
     max_tokens: int = 16
@@ -60,7 +61,8 @@ class SamplingParams(
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An int that fits the wire's 64 bits (a bigger one could not be sent to the workers)."""
+    return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
 
 
 def _is_number(value: object) -> bool:

@@ -11,6 +11,7 @@ each spare costs a few hundred MB).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from asyncexec.config import EngineConfig
@@ -30,6 +31,7 @@ class ExecutorSupervisor:
         self.metrics = metrics
         self.executor: Executor | None = None
         self.num_restarts = 0
+        self.restart_seconds: list[float] = []  # each successful replacement, death seen to ready
         self._spares: SpareWorkers | None = None
         self._closed = False
 
@@ -54,6 +56,7 @@ class ExecutorSupervisor:
         """Replace the executor after `cause`. `on_replaced()` resets the engine's view of the workers and
         returns how many requests will be recomputed. Raises the last failure once the budget is spent."""
         assert self.executor is not None
+        t0 = time.monotonic()
         while True:
             self.num_restarts += 1
             self.metrics.worker_restarts.inc()
@@ -73,6 +76,9 @@ class ExecutorSupervisor:
             try:
                 await self.executor.start()
                 await self.executor.initialize_kv_cache(num_blocks)
+                self.restart_seconds.append(time.monotonic() - t0)
+                self.metrics.restart_time.observe(self.restart_seconds[-1])
+                logger.info("executor restarted in %.2f s", self.restart_seconds[-1])
                 self.fill_spares()
                 return
             except (WorkerDiedError, WorkerStartupError, ExecutorClosedError) as e:

@@ -35,7 +35,7 @@ def test_a_ci_sized_stress_run_keeps_every_invariant(tiny_models: dict[str, Path
     req = report["requests"]
     assert req["lost"] == 0 and req["errored"] == 0 and req["accepted-bad"] == 0
     assert req["finished"] > 100 and req["aborted"] > 0 and req["rejected"] > 0
-    assert report["kills"] == 1 and report["restarts"] == 1
+    assert report["kills"] == 1 and report["restarts"] == 1 and len(report["restart_s"]) == 1
     assert report["greedy_checks"] > 0 and report["greedy_mismatches"] == 0
     assert report["fds"]["after_shutdown"] == report["fds"]["before_start"]
     assert report["shm_segments"]["after_shutdown"] == report["shm_segments"]["before_start"]
@@ -54,6 +54,7 @@ def _result(**changes: object) -> object:
         "timeline": [10.0, 12.0],
         "elapsed": 2.0,
         "unfinished": False,
+        "restart_s": [],
         "stats": {"num_free_blocks": 10, "num_blocks": 10, "num_restarts": 0, "num_preemptions": 0},
         "rss_mib": {"start": {"engine": 100.0, "rank0": 100.0}, "end": {"engine": 105.0, "rank0": 90.0}},
         "fds": {"before_start": 5, "after_warmup": 9, "end": 9, "after_shutdown": 5},

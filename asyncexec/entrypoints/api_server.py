@@ -160,7 +160,9 @@ class OpenAIServing:
     # ----- the shared path --------------------------------------------------------------------------
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        """`model` may be the served name, the model folder as configured, or that folder's name."""
+        path = self.engine.config.model or ""
+        if model is not None and model not in (self.model_name, path, path.rstrip("/").rsplit("/", 1)[-1]):
             raise HTTPError(
                 404,
                 f"model {model!r} does not exist; this server serves {self.model_name!r}",
@@ -251,7 +253,7 @@ def build_app(config: EngineConfig, served_model_name: str | None = None) -> Sta
 
 def _default_name(config: EngineConfig) -> str:
     assert config.model is not None
-    return config.model.rstrip("/").rsplit("/", 1)[-1]
+    return config.model  # vLLM's default: the --model argument as given
 
 
 def run_server(

@@ -14,14 +14,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from asyncexec.entrypoints.config_args import add_engine_args, engine_config_from_args
 from asyncexec.errors import AsyncExecError, ConfigError
 
 __all__ = ["main"]
+
+_T = TypeVar("_T")
 
 BENCHMARKS = {"ipc": "bench_ipc.py", "engine": "bench_engine.py", "serve": "bench_serve.py"}
 _SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -67,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="the address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="the port to bind (default: 8000)")
     p.add_argument(
-        "--served-model-name", default=None, help="the model's name in the API (default: the folder)"
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (default: the --model argument)",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -81,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "which", choices=[*BENCHMARKS, "all"], nargs="?", default="all", help="which (default: all)"
     )
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="passed to the script(s), e.g. --quick")
+    p.add_argument("--quick", action="store_true", help="the scripts' short versions")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="more arguments for the script(s), after --")
 
     from asyncexec.stress import add_stress_args
 
@@ -194,6 +199,18 @@ async def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+async def _cancel_on_sigterm(coro: Coroutine[Any, Any, _T]) -> _T:
+    """Run `coro`; SIGTERM cancels it, so `async with engine` shuts everything down on the way out."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        return await coro
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
 def _serve(ns: argparse.Namespace) -> int:
     from asyncexec.entrypoints.api_server import run_server
 
@@ -214,7 +231,7 @@ def _bench(ns: argparse.Namespace) -> int:
         raise UsageError(
             f"the benchmark scripts live in a source checkout's scripts/ ({_SCRIPTS} is missing)"
         )
-    args = [a for a in ns.script_args if a != "--"]
+    args = (["--quick"] if ns.quick else []) + [a for a in ns.script_args if a != "--"]
     for i, name in enumerate(names, 1):
         print(f"[{i}/{len(names)}] {BENCHMARKS[name]} {' '.join(args)}", file=sys.stderr, flush=True)
         rc = subprocess.call([sys.executable, str(_SCRIPTS / BENCHMARKS[name]), *args])
@@ -237,18 +254,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.command == "generate":
             import uvloop
 
-            return uvloop.run(_generate(ns))
+            return uvloop.run(_cancel_on_sigterm(_generate(ns)))
         if ns.command == "serve":
             return _serve(ns)
         if ns.command == "bench":
             return _bench(ns)
         from asyncexec.stress import run_stress
 
-        return run_stress(ns)
+        return run_stress(ns, wrap=_cancel_on_sigterm)
     except (UsageError, ConfigError) as e:
         parser.exit(2, f"asyncexec {ns.command}: error: {e}\n")
     except AsyncExecError as e:
         first = str(e).splitlines()[0]
         parser.exit(1, f"asyncexec {ns.command}: error: {first}\n")
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print(f"asyncexec {ns.command}: interrupted; the engine was shut down", file=sys.stderr)
         return 130

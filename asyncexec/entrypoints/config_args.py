@@ -19,6 +19,7 @@ from asyncexec.config import EngineConfig
 __all__ = ["add_engine_args", "engine_config_from_args"]
 
 _FIELD_DOC = re.compile(r"^ {8}(\w+): (.*)$")
+_ALIASES = {"tensor_parallel_size": ("--tp",)}  # vLLM's short spelling
 
 
 def _field_docs() -> dict[str, str]:
@@ -86,7 +87,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, required_model: bool = F
             kw["type"] = conv
         if f.name == "model" and required_model:
             kw.update(required=True, metavar="DIR")
-        group.add_argument("--" + f.name.replace("_", "-"), **kw)
+        flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, ())]
+        group.add_argument(*flags, **kw)
 
 
 def engine_config_from_args(ns: argparse.Namespace, **overrides: Any) -> EngineConfig:

@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import tempfile
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -72,8 +73,13 @@ def stress_config(ns: argparse.Namespace) -> EngineConfig:
     return engine_config_from_args(ns, **{k: v for k, v in defaults.items() if not hasattr(ns, k)})
 
 
-def run_stress(ns: argparse.Namespace) -> int:
-    """Run the stress test the flags describe; 0 when every invariant held, else 1."""
+def run_stress(
+    ns: argparse.Namespace, wrap: Callable[[Coroutine[Any, Any, Any]], Coroutine[Any, Any, Any]] | None = None
+) -> int:
+    """Run the stress test the flags describe; 0 when every invariant held, else 1.
+
+    `wrap` wraps the run's coroutine (the CLI's cancels it on SIGTERM; the library installs no handler).
+    """
     import uvloop
 
     from asyncexec.stress.report import build_report, print_report
@@ -93,7 +99,8 @@ def run_stress(ns: argparse.Namespace) -> int:
         config = stress_config(ns)
         if ns.kill_worker_every and config.executor_kind != "mp":
             raise ConfigError("--kill-worker-every needs the mp executor (its workers are processes)")
-        result = uvloop.run(stress(ns, config))
+        coro = stress(ns, config)
+        result = uvloop.run(wrap(coro) if wrap is not None else coro)
     report = build_report(ns, config, result)
     print_report(report)
     out = Path(ns.json)

@@ -80,6 +80,7 @@ def build_report(ns: argparse.Namespace, config: EngineConfig, result: StressRes
         "greedy_mismatches": len(run.mismatches),
         "kills": run.kills,
         "restarts": int(stats["num_restarts"]),
+        "restart_s": result.restart_s,
         "preemptions": int(stats["num_preemptions"]),
         "tokens": run.tokens,
         "tokens_per_s": round(sum(timeline) / max(len(timeline), 1), 1),

@@ -51,6 +51,7 @@ class StressResult:
     timeline: list[float]  # tokens generated in each second of the measured phase
     elapsed: float
     stats: dict[str, float]  # engine.stats() at the end, before shutdown
+    restart_s: list[float]  # how long each restart took, death seen to ready
     unfinished: bool
     rss_mib: dict[str, dict[str, float]]
     fds: dict[str, int]
@@ -109,6 +110,8 @@ async def _one(
     if kind == "reference":
         prompt, ref = rng.choice(refs)
         sp = SamplingParams(max_tokens=len(ref), temperature=0.0, ignore_eos=True)
+    elif kind == "bad" and rng.random() < 0.25:  # logprobs past the cap once failed the whole step
+        sp = SamplingParams(max_tokens=4, logprobs=engine.config.max_logprobs + 1)
     elif kind == "bad":
         prompt = rng.choice(
             [[], [vocab + 5], [-1, 3], "x" * 0, 3.5, [0] * engine.model_info["max_model_len"]]
@@ -129,16 +132,11 @@ async def _one(
         return toks
 
     try:
-        if kind == "cancel":
-            task = asyncio.ensure_future(consume())
-            done, _ = await asyncio.wait({task}, timeout=rng.uniform(0.01, 1.0))
-            if not done:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        if kind == "cancel":  # the client gives up after a random wait: the request is cancelled
+            try:
+                await asyncio.wait_for(consume(), timeout=rng.uniform(0.01, 1.0))
+            except asyncio.TimeoutError:
                 rec.outcome = "aborted"
-            else:
-                task.result()
         else:
             toks = await consume()
             if kind == "bad":
@@ -181,10 +179,12 @@ async def _load(
 
     tasks = [asyncio.ensure_future(client()) for _ in range(ns.concurrency)]
     wait_s = max(0.0, deadline - time.monotonic()) + drain_s if budget is None else None
-    done, pending = await asyncio.wait(tasks, timeout=wait_s)
-    for t in pending:  # a request that never ends is lost: its record keeps outcome None
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    try:
+        done, _ = await asyncio.wait(tasks, timeout=wait_s)
+    finally:  # a request that never ends is lost (its record keeps outcome None); so is an interrupted one
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     for t in done:
         if not t.cancelled() and t.exception() is not None:
             raise t.exception()  # type: ignore[misc]
@@ -256,6 +256,7 @@ async def stress(ns: argparse.Namespace, config: EngineConfig) -> StressResult:
         elapsed = time.monotonic() - t0
         stats, rss1, fds_end, seg_end = engine.stats(), _processes(engine), _fds(), _segments()
         unfinished = engine.has_unfinished_requests()
+        restart_s = [round(x, 2) for x in engine.restart_seconds]
     finally:
         await engine.shutdown()
     fds1, seg1 = _fds(), _segments()
@@ -264,6 +265,7 @@ async def stress(ns: argparse.Namespace, config: EngineConfig) -> StressResult:
         timeline,
         elapsed,
         stats,
+        restart_s,
         unfinished,
         rss_mib={"start": rss0, "end": rss1},
         fds={"before_start": fds0, "after_warmup": fds_warm, "end": fds_end, "after_shutdown": fds1},

@@ -200,9 +200,12 @@ def main(argv: Sequence[str] = ()) -> int:
     if len(argv) == 2 and argv[0] == "--preload":
         preload(argv[1])
     stdin = sys.stdin.fileno()
-    spawn = msgspec.msgpack.decode(
-        _read_exact(stdin, _LEN.unpack(_read_exact(stdin, 8))[0]), type=WorkerSpawn
-    )
+    try:
+        spawn = msgspec.msgpack.decode(
+            _read_exact(stdin, _LEN.unpack(_read_exact(stdin, 8))[0]), type=WorkerSpawn
+        )
+    except EOFError:  # the executor (or a spare's owner) went away before handing us a rank
+        return EXIT_PARENT_DIED
     _prepare(spawn)
     threading.Thread(target=_watch_parent, args=(stdin,), name="parent-watch", daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -79,6 +79,7 @@ class Sampler:
         logp = logits.log_softmax(dim=-1)
         chosen = logp.gather(1, tokens[:, None])
         ranks = (logp > chosen).sum(dim=-1) + 1
+        n = min(n, logp.shape[-1])  # the engine caps logprobs; never let one request fail a step
         top = logp.topk(n, dim=-1) if n > 0 else None
         ids = tokens[:, None] if top is None else torch.cat([tokens[:, None], top.indices], dim=1)
         vals = chosen if top is None else torch.cat([chosen, top.values], dim=1)

@@ -131,3 +131,44 @@ def test_the_fastapi_example_embeds_the_engine(tiny_models: dict[str, Path]) -> 
         r = httpx.post(srv.url + "/summarize", json={"text": "", "max_tokens": 5}, timeout=60)
         assert r.status_code == 400 and "empty" in r.json()["error"]["message"]
         assert srv.stop() in (0, -15)  # uvicorn re-raises the SIGTERM it drained on
+
+
+def test_sigterm_during_generate_shuts_the_engine_down(tiny_models: dict[str, Path]) -> None:
+    import signal
+    import time
+
+    import psutil
+
+    from tests.conftest import asyncexec_segments
+
+    before = asyncexec_segments()
+    argv = [
+        sys.executable,
+        "-m",
+        "asyncexec",
+        "generate",
+        "--model",
+        str(tiny_models["llama"]),
+        "--executor",
+        "mp",
+        "--max-tokens",
+        "1500",
+        "--ignore-eos",
+        "hello",
+    ]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert proc.stdout is not None
+        proc.stdout.read(1)  # streaming has begun
+        workers = psutil.Process(proc.pid).children()
+        assert workers
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "interrupted; the engine was shut down" in err, err[-2000:]
+    deadline = time.monotonic() + 5
+    while any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers):
+        assert time.monotonic() < deadline, "workers outlived the CLI"
+        time.sleep(0.05)
+    assert asyncexec_segments() == before

@@ -74,7 +74,7 @@ async def test_completions_match_engine_generate(server: ServerProcess, tiny_mod
     for ref, r, s in zip(refs, plain, streamed, strict=True):
         assert r.status_code == 200, r.text
         out = r.json()
-        assert out["object"] == "text_completion" and out["model"] == "llama"
+        assert out["object"] == "text_completion" and out["model"] == str(tiny_models["llama"])
         choice = out["choices"][0]
         assert choice["token_ids"] == ref.token_ids and choice["text"] == ref.text
         assert choice["finish_reason"] == "length"
@@ -113,7 +113,7 @@ async def test_chat_completions_apply_the_template(
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
 
 
-def test_logprobs_models_and_health(server: ServerProcess) -> None:
+def test_logprobs_models_and_health(server: ServerProcess, tiny_models: dict[str, Path]) -> None:
     with httpx.Client(base_url=server.url, timeout=60) as c:
         r = c.post(
             "/v1/completions", json={"prompt": "abc", "max_tokens": 5, "logprobs": 2, "temperature": 0}
@@ -121,7 +121,12 @@ def test_logprobs_models_and_health(server: ServerProcess) -> None:
         lp = r.json()["choices"][0]["logprobs"]
         assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
         assert all(x <= 0 for x in lp["token_logprobs"]) and all(1 <= len(t) <= 3 for t in lp["top_logprobs"])
-        assert c.get("/v1/models").json()["data"][0]["id"] == "llama"
+        assert c.get("/v1/models").json()["data"][0]["id"] == str(tiny_models["llama"])
+        for name in (str(tiny_models["llama"]), "llama"):  # the served name, or the folder's name
+            assert (
+                c.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "model": name}).status_code
+                == 200
+            )
         assert c.get("/health").status_code == 200
 
 
@@ -176,6 +181,8 @@ async def test_overload_answers_429(server: ServerProcess) -> None:
         ("/v1/completions", {"prompt": [999999]}, 400, "prompt"),
         ("/v1/completions", {"prompt": [1] * 5000}, 400, "prompt"),
         ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 1000}, 400, "logprobs"),
+        ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
         ("/v1/completions", {"prompt": "hi", "stop": ["x"]}, 400, "stop"),
         ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),

@@ -75,9 +75,8 @@ class AsyncEngine:
         if self.executor is not None:
             raise ExecutorClosedError("engine was already started")
         self._lock = asyncio.Lock()
-        executor = await self._supervisor.start()
         try:
-            self.num_blocks = await self._initialize_kv_cache(executor)
+            self.model_info, self.num_blocks = await self._supervisor.start()
             self.scheduler = Scheduler(
                 self.config,
                 self.num_blocks,
@@ -91,27 +90,6 @@ class AsyncEngine:
             await self._supervisor.shutdown()
             raise
         self._supervisor.fill_spares()
-
-    async def _initialize_kv_cache(self, executor: Executor) -> int:
-        self.model_info = (await executor.collective_rpc("get_model_info"))[0]
-        block_bytes = max(await executor.collective_rpc("get_kv_cache_block_bytes"))
-        available = await executor.determine_available_memory()
-        bs = self.config.block_size
-        per_seq = -(-self.model_info["max_model_len"] // bs)
-        # More than twice what max_num_seqs full-length sequences hold only feeds the prefix cache.
-        num_blocks = min(available // block_bytes, 2 * self.config.max_num_seqs * per_seq + 1)
-        if num_blocks < 2:
-            raise ConfigError(
-                f"{available} bytes hold no KV block of {block_bytes} bytes; raise the KV cache memory"
-            )
-        await executor.initialize_kv_cache(num_blocks)
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB per rank)",
-            num_blocks,
-            bs,
-            num_blocks * block_bytes / 2**20,
-        )
-        return int(num_blocks)
 
     async def shutdown(self) -> None:
         """Abort what is in flight, stop the background loop and the executor. Idempotent."""

@@ -1,4 +1,5 @@
-"""`ExecutorSupervisor`: the one owner of an engine's executor, which it replaces after a worker death.
+"""`ExecutorSupervisor`: the one owner of an engine's executor, which it starts, sizes the KV cache of,
+and replaces after a worker death.
 
 With `restart_on_worker_failure`, `restart()` shuts the failed executor down, lets the engine reset what
 the old workers held (`on_replaced`), and starts a fresh executor with a KV cache of the same size. Every
@@ -13,9 +14,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from asyncexec.config import EngineConfig
-from asyncexec.errors import ExecutorClosedError, WorkerDiedError, WorkerStartupError
+from asyncexec.errors import ConfigError, ExecutorClosedError, WorkerDiedError, WorkerStartupError
 from asyncexec.executor import Executor, MultiProcExecutor
 from asyncexec.executor.spares import SpareWorkers
 from asyncexec.metrics import EngineMetrics
@@ -35,11 +37,32 @@ class ExecutorSupervisor:
         self._spares: SpareWorkers | None = None
         self._closed = False
 
-    async def start(self) -> Executor:
-        """Create and start the first executor (a failed start shuts it down and raises)."""
+    async def start(self) -> tuple[dict[str, Any], int]:
+        """Start the first executor and size its KV cache; returns the model's info and the block count."""
         self.executor = Executor.create(self.config)
         await self.executor.start()
-        return self.executor
+        info: dict[str, Any] = (await self.executor.collective_rpc("get_model_info"))[0]
+        return info, await self._initialize_kv_cache(self.executor, info["max_model_len"])
+
+    async def _initialize_kv_cache(self, executor: Executor, max_model_len: int) -> int:
+        block_bytes = max(await executor.collective_rpc("get_kv_cache_block_bytes"))
+        available = await executor.determine_available_memory()
+        bs = self.config.block_size
+        per_seq = -(-max_model_len // bs)
+        # More than twice what max_num_seqs full-length sequences hold only feeds the prefix cache.
+        num_blocks = min(available // block_bytes, 2 * self.config.max_num_seqs * per_seq + 1)
+        if num_blocks < 2:
+            raise ConfigError(
+                f"{available} bytes hold no KV block of {block_bytes} bytes; raise the KV cache memory"
+            )
+        await executor.initialize_kv_cache(num_blocks)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB per rank)",
+            num_blocks,
+            bs,
+            num_blocks * block_bytes / 2**20,
+        )
+        return int(num_blocks)
 
     @property
     def can_restart(self) -> bool:

@@ -66,7 +66,12 @@ def stress_config(ns: argparse.Namespace) -> EngineConfig:
     """The engine config: the flags given, over stress defaults (mp, 2 ranks, a small KV cache)."""
     from asyncexec.entrypoints.config_args import engine_config_from_args
 
-    defaults: dict[str, Any] = {"executor": "mp", "tensor_parallel_size": 2, "kv_cache_memory_bytes": 1 << 20}
+    # A KV cache of 256 KiB (64 blocks of the tiny llama) is small enough that requests get preempted.
+    defaults: dict[str, Any] = {
+        "executor": "mp",
+        "tensor_parallel_size": 2,
+        "kv_cache_memory_bytes": 256 << 10,
+    }
     if ns.kill_worker_every:
         defaults["restart_on_worker_failure"] = True
         defaults["max_worker_restarts"] = math.ceil((ns.duration or 600) / ns.kill_worker_every) + 2

@@ -17,6 +17,7 @@ The hierarchy::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 __all__ = [
@@ -32,6 +33,8 @@ __all__ = [
     "WorkerFailedError",
     "WorkerStartupError",
 ]
+
+_LEADING_FIELD = re.compile(r"^([a-z_]+)[ :]")
 
 
 class AsyncExecError(Exception):
@@ -138,7 +141,16 @@ class RankDisagreementError(AsyncExecError):
 
 
 class InvalidRequestError(AsyncExecError, ValueError):
-    """Raised when a request is rejected at submission; the message names the offending field."""
+    """Raised when a request is rejected at submission; the message names the offending field.
+
+    `param` is that field (`"max_tokens"`, `"prompt"`, ...): given, or else the message's first word,
+    since every message starts with the field it is about.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        match = _LEADING_FIELD.match(message)
+        self.param = param if param is not None else (match.group(1) if match else None)
 
 
 class EngineOverloadedError(AsyncExecError):

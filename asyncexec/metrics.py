@@ -83,32 +83,22 @@ class EngineMetrics:
             "asyncexec_prompt_tokens", "Prompt tokens of accepted requests.", registry=r
         )
         self.generation_tokens = Counter("asyncexec_generation_tokens", "Generated tokens.", registry=r)
-        self.time_to_first_token = Histogram(
-            "asyncexec_time_to_first_token_seconds",
-            "From add_request to the first generated token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+
+        def seconds(name: str, doc: str) -> Histogram:
+            return Histogram(f"asyncexec_{name}_seconds", doc, buckets=_LATENCY_BUCKETS, registry=r)
+
+        self.time_to_first_token = seconds(
+            "time_to_first_token", "From add_request to the first generated token."
         )
-        self.inter_token_latency = Histogram(
-            "asyncexec_inter_token_latency_seconds",
-            "Between consecutive generated tokens of a request.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.inter_token_latency = seconds(
+            "inter_token_latency", "Between consecutive generated tokens of a request."
         )
-        self.step_time = Histogram(
-            "asyncexec_step_time_seconds",
-            "One engine step, schedule to outputs.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.step_time = seconds("step_time", "One engine step, schedule to outputs.")
+        self.restart_time = seconds(
+            "worker_restart", "From a worker's death to the replacement executor's readiness."
         )
         self.worker_restarts = Counter(
             "asyncexec_worker_restarts", "Executor restarts after a worker died.", registry=r
-        )
-        self.restart_time = Histogram(
-            "asyncexec_worker_restart_seconds",
-            "From a worker's death to the replacement executor's readiness.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
         r.register(_StateCollector(stats))
 

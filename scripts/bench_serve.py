@@ -43,7 +43,6 @@ FLAGS = {
     "max_num_seqs": 64,
     "kv_cache_memory_bytes": 512 << 20,
 }
-EXECUTOR = ["uni"]
 Work = list[list[tuple[list[int], int]]]  # per client: (prompt, max_tokens) requests
 
 
@@ -116,8 +115,8 @@ async def run_clients(one: One, work: Work) -> dict[str, Any]:
     return summarize(wall, [o for cl in outs for o in cl], lat.ttft, lat.itl)
 
 
-async def in_process(work: Work) -> dict[str, Any]:
-    cfg = EngineConfig(model=MODEL, executor=EXECUTOR[0], **FLAGS)  # type: ignore[arg-type]
+async def in_process(work: Work, executor: str) -> dict[str, Any]:
+    cfg = EngineConfig(model=MODEL, executor=executor, **FLAGS)  # type: ignore[arg-type]
     async with AsyncEngine(cfg) as engine:
 
         async def one(p: list[int], m: int, lat: Latencies) -> list[int]:
@@ -201,7 +200,7 @@ def timed(coro: Any) -> dict[str, Any]:
     return res
 
 
-def start_server(port: int) -> subprocess.Popen[bytes]:
+def start_server(port: int, executor: str) -> subprocess.Popen[bytes]:
     argv = [
         sys.executable,
         "-m",
@@ -212,7 +211,7 @@ def start_server(port: int) -> subprocess.Popen[bytes]:
         "--port",
         str(port),
         "--executor",
-        EXECUTOR[0],
+        executor,
         "--log-level",
         "warning",
     ]
@@ -244,18 +243,17 @@ def main() -> None:
     ap.add_argument("--json", default="bench-results/bench_serve.json")
     args = ap.parse_args()
     repeats, per_client = (1, 1) if args.quick else (args.repeats, args.per_client)
-    EXECUTOR[0] = args.executor
     if not os.path.isdir(MODEL):
         progress(f"building {MODEL}")
         make_tiny_model(MODEL, "llama", **BENCH_MODEL)
     work = workload(args.clients, per_client)
     runs: dict[str, list[dict[str, Any]]] = {"in-process": [], "http aiohttp": [], "http httpx": []}
     progress("starting asyncexec serve")
-    server = start_server(args.port)
+    server = start_server(args.port, args.executor)
     try:
         for i in range(repeats):
             progress(f"repeat {i + 1}/{repeats}: in-process engine.generate")
-            runs["in-process"].append(timed(in_process(work)))
+            runs["in-process"].append(timed(in_process(work, args.executor)))
             url = f"http://127.0.0.1:{args.port}"
             progress(f"repeat {i + 1}/{repeats}: {args.clients} streaming HTTP clients (aiohttp)")
             runs["http aiohttp"].append(timed(over_aiohttp(url, work)))

@@ -41,25 +41,12 @@ from asyncexec.entrypoints.streaming import (
 )
 from asyncexec.errors import AsyncExecError, EngineOverloadedError, InvalidRequestError
 from asyncexec.outputs import RequestOutput
+from asyncexec.sampling_params import SamplingParams
 
 __all__ = ["OpenAIServing", "build_app", "run_server"]
 
 logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
-_FIELDS = {
-    "prompt",
-    "messages",
-    "max_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "seed",
-    "stop_token_ids",
-    "logprobs",
-    "request_id",
-    "sampling_params",
-}
 
 
 def json_response(body: Any, status: int = 200) -> Response:
@@ -96,8 +83,7 @@ class OpenAIServing:
             except HTTPError as e:
                 return _error(e)
             except InvalidRequestError as e:
-                word = str(e).split(" ", 1)[0].rstrip(":")
-                return _error(HTTPError(400, str(e), param=word if word in _FIELDS else None))
+                return _error(HTTPError(400, str(e), param=e.param))
             except EngineOverloadedError as e:
                 return _error(HTTPError(429, str(e), "rate_limit_exceeded"))
             except AsyncExecError as e:
@@ -174,7 +160,7 @@ class OpenAIServing:
         self,
         request: Request,
         prompt: str | list[int],
-        sp: Any,
+        sp: SamplingParams,
         req: CompletionRequest | ChatCompletionRequest,
         prefix: str,
         choice: Callable[..., dict[str, Any]],

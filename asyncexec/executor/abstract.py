@@ -23,11 +23,16 @@ from asyncexec.errors import (
 )
 from asyncexec.messages import ModelRunnerOutput, RemoteError, SchedulerOutput
 
-__all__ = ["HEALTH_CHECK_TIMEOUT_S", "Executor"]
+__all__ = ["FAIL_FAST_METHODS", "HEALTH_CHECK_TIMEOUT_S", "START_METHODS", "Executor"]
 
 logger = logging.getLogger(__name__)
 
 HEALTH_CHECK_TIMEOUT_S = 10.0
+# The start-up calls (`_start_model`). A rank failing one leaves its peers waiting in the process-group
+# rendezvous, so an executor fails such a call on its first error rather than wait for replies that
+# will not come.
+START_METHODS = ("init_device", "load_model")
+FAIL_FAST_METHODS = frozenset(START_METHODS)
 
 
 class Executor(abc.ABC):
@@ -87,8 +92,8 @@ class Executor(abc.ABC):
     async def _start_model(self) -> None:
         timeout = self.config.worker_start_timeout_s
         try:
-            await self.collective_rpc("init_device", timeout=timeout)
-            await self.collective_rpc("load_model", timeout=timeout)
+            for method in START_METHODS:
+                await self.collective_rpc(method, timeout=timeout)
         except WorkerFailedError as e:
             raise WorkerStartupError(
                 e.rank, f"{e.remote_type}: {e.remote_message}", e.remote_traceback

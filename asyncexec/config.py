@@ -34,8 +34,10 @@ class EngineConfig:
     """Everything an engine, its executor and its workers need to start.
 
     Fields:
-        model: a local Hugging Face model folder, or None to run the runtime alone (no model; the
-            workers serve `collective_rpc` and `worker_extension` methods only).
+        model: a local Hugging Face model folder; or a built-in name (`smollm2-135m-instruct`, alias
+            `smollm2`), converted once into the user's cache (see `asyncexec.model_registry`); or None to
+            run the runtime alone (no model; the workers serve `collective_rpc` and `worker_extension`
+            methods only).
         tensor_parallel_size: the number of worker ranks.
         executor: "uni" (in-process), "mp" (worker processes) or "ray"; None picks "uni" for one rank,
             else "mp".
@@ -110,7 +112,9 @@ class EngineConfig:
         _check_int("shm_arena_bytes", self.shm_arena_bytes, minimum=0)
         _check_int("inline_tensor_bytes", self.inline_tensor_bytes, minimum=0)
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
-            raise ConfigError(f"model must be a non-empty path string or None, got {self.model!r}")
+            raise ConfigError(
+                f"model must be a folder path, a built-in model name or None, got {self.model!r}"
+            )
         if self.executor is not None and self.executor not in _EXECUTORS:
             raise ConfigError(f"executor must be one of {_EXECUTORS} or None, got {self.executor!r}")
         if self.device not in _DEVICES:

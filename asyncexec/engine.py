@@ -26,10 +26,13 @@ from typing import Any
 
 from asyncexec.config import EngineConfig
 from asyncexec.errors import (
+    AsyncExecError,
     ConfigError,
     EngineOverloadedError,
+    EngineStepError,
     ExecutorClosedError,
     InvalidRequestError,
+    RequestFailedError,
 )
 from asyncexec.executor import Executor
 from asyncexec.metrics import EngineMetrics
@@ -51,7 +54,7 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         if config.model is None:
-            raise ConfigError("AsyncEngine needs config.model (a local model folder)")
+            raise ConfigError("AsyncEngine needs config.model (a local model folder or a built-in name)")
         self.config = config
         self.scheduler: Scheduler | None = None
         self.tokenizer: Any = None
@@ -83,7 +86,7 @@ class AsyncEngine:
                 self.model_info["max_model_len"],
                 self.model_info["eos_token_ids"],
             )
-            self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model)
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, self._supervisor.config.model)
             self._inputs = InputProcessor(self.config, self.tokenizer, self.model_info, self.num_blocks)
             self._outputs = OutputProcessor(self.tokenizer)
         except BaseException:
@@ -135,9 +138,9 @@ class AsyncEngine:
     @property
     def is_healthy(self) -> bool:
         """True while the engine can serve: started, not shut down, and no failure it cannot heal."""
-        if self.scheduler is None or self._closed or self._dead is not None or self.executor is None:
+        if self.scheduler is None or self._closed or self._dead is not None:
             return False
-        return not self.executor.is_failed or self._supervisor.can_restart
+        return self._supervisor.is_serving  # a restart in progress or still allowed counts as serving
 
     # ----- requests ---------------------------------------------------------------------------------
 
@@ -150,16 +153,7 @@ class AsyncEngine:
         """Queue a request; validates synchronously and returns its id."""
         sched = self._live_scheduler()
         assert self._inputs is not None
-        sp = SamplingParams() if sampling_params is None else sampling_params
-        if not isinstance(sp, SamplingParams):
-            raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
-        if sp.logprobs is not None and sp.logprobs > min(
-            self.config.max_logprobs, self.model_info["vocab_size"]
-        ):
-            raise InvalidRequestError(
-                f"logprobs: at most max_logprobs={self.config.max_logprobs} (and the vocabulary's "
-                f"{self.model_info['vocab_size']}), got {sp.logprobs}"
-            )
+        sp = self._inputs.sampling_params(sampling_params)
         ids = self._inputs.tokenize(prompt)
         rid = f"req-{next(self._ids)}" if request_id is None else request_id
         if not isinstance(rid, str) or not rid:
@@ -193,19 +187,7 @@ class AsyncEngine:
     def stats(self) -> dict[str, float]:
         """Scheduler and KV-cache counters: queue sizes, block usage, prefix-cache hits, preemptions."""
         sched = self._live_scheduler() if self.scheduler is None else self.scheduler
-        kv = sched.kv
-        return {
-            "num_running": len(sched.running),
-            "num_waiting": len(sched.waiting),
-            "num_blocks": kv.pool.num_usable,
-            "num_free_blocks": kv.pool.num_free,
-            "kv_cache_usage": kv.usage,
-            "prefix_cache_queries": kv.stats.queries,
-            "prefix_cache_hits": kv.stats.hits,
-            "prefix_cache_hit_rate": kv.stats.hit_rate,
-            "num_preemptions": sched.num_preemptions,
-            "num_restarts": self.num_restarts,
-        }
+        return {**sched.stats(), "num_restarts": self.num_restarts}
 
     async def collective_rpc(
         self,
@@ -221,7 +203,9 @@ class AsyncEngine:
     # ----- stepping ---------------------------------------------------------------------------------
 
     async def step(self) -> list[RequestOutput]:
-        """One scheduling step: an output for every request that progressed or finished in it."""
+        """One scheduling step: an output for every request that progressed or finished in it. A failure
+        of the step fails the engine and reaches every caller (unless a restart heals a worker death); one
+        of a request's own processing (stop check, detokenization) finishes it alone with "error"."""
         sched = self._live_scheduler()
         assert self._lock is not None
         async with self._lock:
@@ -231,37 +215,48 @@ class AsyncEngine:
                 return []
             assert self.executor is not None
             t0 = time.perf_counter()
-            so = sched.schedule()
             try:
+                so = sched.schedule()
                 out = await self.executor.execute_model(so)
             except asyncio.CancelledError:
                 raise
             except BaseException as e:
-                death = worker_death(e)
-                if death is None or not self._supervisor.can_restart:
-                    self._die(death or e)
-                    if death is not None and death is not e:
-                        raise death from e  # the idle death that closed the executor
-                    raise
-                try:
-                    await self._supervisor.restart(death, self.num_blocks, self._workers_replaced)
-                except BaseException as failed:
-                    self._die(worker_death(failed) or failed)
-                    raise
+                await self._heal_or_die(e, sched)
                 return []
-            progressed = sched.update_from_output(so, out)
-            self.metrics.on_step(time.perf_counter() - t0, progressed)
-            outputs = [self._outputs.make_output(req, toks) for req, toks in progressed]
+            try:
+                progressed, failed = sched.update_from_output(so, out)
+                outputs, bad = self._outputs.make_outputs(progressed)
+                outputs += [self._fail_request(sched, req, exc) for req, exc in [*failed, *bad]]
+                done = [p for p in progressed if p[0].finish_reason != "error"]
+                self.metrics.on_step(time.perf_counter() - t0, done)
+            except Exception as e:
+                raise self._die(e)  # noqa: B904 (EngineStepError chains e; an asyncexec error is e)
         for o in outputs:
             q = self._streams.get(o.request_id)
             if q is not None:
                 q.put_nowait(o)
         return outputs
 
-    def _workers_replaced(self) -> int:
-        assert self.scheduler is not None
-        self.scheduler.reset_for_new_workers()
-        return len(self.scheduler.waiting)
+    async def _heal_or_die(self, exc: BaseException, sched: Scheduler) -> None:
+        """Replace the executor if a worker died and the budget allows, else fail the engine and raise."""
+        death = worker_death(exc)
+        if death is not None and self._supervisor.can_restart:
+            try:
+                await self._supervisor.restart(death, self.num_blocks, sched.reset_for_new_workers)
+                return
+            except BaseException as failed:
+                exc, death = failed, worker_death(failed)
+        raise self._die(death or exc)  # the death behind a closed executor; a non-asyncexec error wrapped
+
+    def _fail_request(self, sched: Scheduler, req: Request, exc: Exception) -> RequestOutput:
+        """Finish one request with "error" (its blocks freed); its stream gets the error, not an output."""
+        logger.error("request %s failed: %r", req.request_id, exc)
+        sched.finish(req.request_id, "error")  # a no-op where the scheduler already did
+        self.metrics.on_finished("error")
+        q = self._streams.pop(req.request_id, None)
+        if q is not None:
+            q.put_nowait(RequestFailedError(req.request_id, exc))
+        return self._outputs.error_output(req)
 
     async def generate(
         self,
@@ -295,19 +290,25 @@ class AsyncEngine:
         while self._streams and self._dead is None and not self._closed:
             try:
                 await self.step()
-            except Exception:
-                return  # _die already handed the error to every stream
+            except Exception as e:
+                if self._dead is None and not self._closed:
+                    self._die(e)  # not one stream may be left waiting
+                return  # _die handed the error to every stream
             await asyncio.sleep(0)
 
-    def _die(self, exc: BaseException) -> None:
-        self._dead = exc
-        logger.error("engine failed: %s", exc)
+    def _die(self, exc: BaseException) -> BaseException:
+        """Fail the engine: every request and stream gets `exc` (an `Exception` not of asyncexec wrapped
+        in `EngineStepError`), which is returned."""
+        foreign = isinstance(exc, Exception) and not isinstance(exc, AsyncExecError)
+        err = EngineStepError(exc) if foreign else exc
+        self._dead = err
+        logger.error("engine failed: %s", err)
         if self.scheduler is not None:
-            for rid in list(self.scheduler.requests):
-                self.scheduler.finish(rid, "error")
-                self.metrics.on_finished("error")
+            self.metrics.on_finished("error", len(self.scheduler.finish_all("error")))
         for q in self._streams.values():
-            q.put_nowait(exc)
+            q.put_nowait(err)
+        self._supervisor.release_soon()  # nothing will use the workers or the spares again
+        return err
 
     def _live_scheduler(self) -> Scheduler:
         if self._dead is not None:

@@ -13,6 +13,8 @@ The hierarchy::
     +-- RankDisagreementError               ranks sampled differently (debug check)
     +-- InvalidRequestError (ValueError)    a request was rejected before scheduling
     +-- EngineOverloadedError               the waiting queue is full
+    +-- EngineStepError                     a step failed in the engine itself; the engine has failed
+    +-- RequestFailedError                  one request's own processing failed; the others go on
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ __all__ = [
     "AsyncExecError",
     "ConfigError",
     "EngineOverloadedError",
+    "EngineStepError",
     "ExecutorClosedError",
     "ExecutorTimeoutError",
     "InvalidRequestError",
     "ProtocolError",
     "RankDisagreementError",
+    "RequestFailedError",
     "WorkerDiedError",
     "WorkerFailedError",
     "WorkerStartupError",
@@ -155,3 +159,23 @@ class InvalidRequestError(AsyncExecError, ValueError):
 
 class EngineOverloadedError(AsyncExecError):
     """Raised when a request arrives while the waiting queue already holds its maximum."""
+
+
+class EngineStepError(AsyncExecError):
+    """Raised when a step fails in the engine itself (scheduling, applying a step's output), outside any
+    worker; the engine has failed, as after a worker death. The original error is the `__cause__`."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"engine step failed: {type(cause).__name__}: {cause}")
+        self.__cause__ = cause
+
+
+class RequestFailedError(AsyncExecError):
+    """Raised to one request's stream when processing that request alone failed (its stop check, its
+    detokenization): it is finished with finish_reason "error" and the engine serves the others.
+    `request_id` names it; the original error is the `__cause__`."""
+
+    def __init__(self, request_id: str, cause: BaseException) -> None:
+        super().__init__(f"request {request_id!r} failed: {type(cause).__name__}: {cause}")
+        self.request_id = request_id
+        self.__cause__ = cause

@@ -2,29 +2,50 @@
 
 Blocks 1..num_blocks-1 are handed out; block 0 is the null block (see `asyncexec.worker.attention`).
 
-Prefix caching: once a block is full, it is named by a hash chained over every token up to its end
-(`hash((parent_hash, tokens of this block))`), so equal hashes mean equal prefixes. A new request first
-looks up the hashes of its full prompt blocks, in order, and shares every block found (reference count
-+1) instead of computing it. A block whose count drops to 0 goes to the tail of the free queue but keeps
-its hash, so it can still be hit; allocation takes from the head (least recently freed) and evicts the
-hash of what it takes. Requests free their blocks in reverse, so a prefix's tail is evicted before its
-head.
+Prefix caching: once a block is full, it is named by a hash chained over every token up to its end:
+`hash_block_tokens(parent_hash, tokens of this block)`, SHA-256 over the parent's digest and the token
+ids as little-endian int64. Python's `hash()` is not used: a tuple hash can be collided on purpose,
+which would let one request read another's KV (vLLM's CVE-2025-25183). A new request first looks up the
+hashes of its full prompt blocks, in order, and shares every block found (reference count +1) instead of
+computing it. A hit also needs the cached block to have been made from the same parent hash and the
+same token ids (both kept with it), so a colliding digest alone is never a hit: a false hit would take
+two different prefixes whose SHA-256 chains meet. A block whose count drops to 0 goes to the tail of the
+free queue but keeps its hash, so it can still be hit; allocation takes from the head (least recently
+freed) and evicts the hash of what it takes. Requests free their blocks in reverse, so a prefix's tail is
+evicted before its head.
 """
 
 from __future__ import annotations
 
+import hashlib
+import sys
+from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["BlockPool", "KVCacheManager", "PrefixCacheStats"]
+__all__ = ["BlockHash", "BlockPool", "HashFn", "KVCacheManager", "PrefixCacheStats", "hash_block_tokens"]
+
+BlockHash = bytes
+HashFn = Callable[[BlockHash | None, Sequence[int]], BlockHash]
+
+
+def hash_block_tokens(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
+    """SHA-256 of the parent block's hash (empty for the first block) and this block's token ids."""
+    packed = array("q", tokens)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return hashlib.sha256((parent or b"") + packed.tobytes()).digest()
 
 
 @dataclass
 class _Block:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
+    block_hash: BlockHash | None = None
+    # What the hash was made from, checked on every hit: a hash collision must not be a cache hit.
+    parent_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -43,7 +64,7 @@ class BlockPool:
             raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
         self.blocks = [_Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, _Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
-        self.cached: dict[int, _Block] = {}
+        self.cached: dict[BlockHash, _Block] = {}
 
     @property
     def num_usable(self) -> int:
@@ -62,7 +83,7 @@ class BlockPool:
             if block.block_hash is not None:
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
-                block.block_hash = None
+                block.block_hash, block.parent_hash, block.token_ids = None, None, ()
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -83,17 +104,24 @@ class BlockPool:
 @dataclass
 class _ReqBlocks:
     blocks: list[_Block] = field(default_factory=list)
-    hashes: list[int] = field(default_factory=list)  # of this request's full blocks, in order
+    hashes: list[BlockHash] = field(default_factory=list)  # of this request's full blocks, in order
     num_cached: int = 0  # full blocks already registered in the prefix cache
 
 
 class KVCacheManager:
     """Blocks per request: prefix lookup, slot allocation, caching of full blocks, freeing."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        hash_fn: HashFn = hash_block_tokens,
+    ) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hash_fn = hash_fn
         self.stats = PrefixCacheStats()
         self.reqs: dict[str, _ReqBlocks] = {}
 
@@ -104,11 +132,11 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / self.pool.num_usable
 
-    def _hashes(self, state: _ReqBlocks, tokens: Sequence[int]) -> list[int]:
+    def _hashes(self, state: _ReqBlocks, tokens: Sequence[int]) -> list[BlockHash]:
         bs = self.block_size
         for i in range(len(state.hashes), len(tokens) // bs):
             parent = state.hashes[-1] if state.hashes else None
-            state.hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
+            state.hashes.append(self.hash_fn(parent, tokens[i * bs : (i + 1) * bs]))
         return state.hashes
 
     def get_computed_blocks(self, req_id: str, tokens: Sequence[int]) -> int:
@@ -120,10 +148,12 @@ class KVCacheManager:
         assert not state.blocks, "prefix lookup happens before a request holds blocks"
         if not self.enable_prefix_caching:
             return 0
-        hits = []
-        for h in self._hashes(state, tokens)[: (len(tokens) - 1) // self.block_size]:
+        hits: list[_Block] = []
+        bs = self.block_size
+        for i, h in enumerate(self._hashes(state, tokens)[: (len(tokens) - 1) // bs]):
             block = self.pool.cached.get(h)
-            if block is None:
+            parent = state.hashes[i - 1] if i else None
+            if block is None or not _made_from(block, parent, tokens[i * bs : (i + 1) * bs]):
                 break
             hits.append(block)
         for block in hits:
@@ -166,6 +196,8 @@ class KVCacheManager:
             block = state.blocks[i]
             if block.block_hash is None and hashes[i] not in self.pool.cached:
                 block.block_hash = hashes[i]
+                block.parent_hash = hashes[i - 1] if i else None
+                block.token_ids = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
                 self.pool.cached[hashes[i]] = block
         state.num_cached = max(state.num_cached, full)
 
@@ -173,3 +205,9 @@ class KVCacheManager:
         state = self.reqs.pop(req_id, None)
         if state is not None:
             self.pool.release(state.blocks)
+
+
+def _made_from(block: _Block, parent: BlockHash | None, tokens: Sequence[int]) -> bool:
+    """Whether a cached block holds exactly `tokens` after the prefix named `parent`: a hit must not rest
+    on the hash alone."""
+    return block.parent_hash == parent and block.token_ids == tuple(tokens)

@@ -63,8 +63,12 @@ class NewRequestData(_Wire):
 class CachedRequestData(_Wire):
     """Requests the workers already hold, as column deltas (one entry per request, same order).
 
-    `new_token_ids` holds tokens the workers do not have yet (on resumption: every token since the
-    prompt); `new_block_ids` the blocks appended this step.
+    `new_block_ids` holds the blocks appended this step, or, for a request resumed after preemption
+    (`resumed_from_preemption`), all of its blocks, which replace the ones it lost. `new_token_ids` holds
+    tokens the workers do not have yet; the engine's scheduler always sends it empty, since every rank
+    appends the tokens it samples itself and keeps a preempted request's tokens (only its blocks are
+    dropped), while a request the workers do not hold at all is sent in full as `NewRequestData`. It
+    stays on the wire, as in vLLM, for a scheduler that changes tokens behind the workers' back.
     """
 
     req_ids: list[str] = msgspec.field(default_factory=list)

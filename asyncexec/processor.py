@@ -13,6 +13,7 @@ from asyncexec.config import EngineConfig
 from asyncexec.detokenizer import IncrementalDetokenizer
 from asyncexec.errors import InvalidRequestError
 from asyncexec.outputs import RequestOutput
+from asyncexec.sampling_params import SamplingParams
 from asyncexec.scheduler import Request
 
 __all__ = ["InputProcessor", "OutputProcessor", "load_tokenizer"]
@@ -29,6 +30,18 @@ class InputProcessor:
         self.max_model_len: int = model_info["max_model_len"]
         self.vocab_size: int = model_info["vocab_size"]
         self.num_blocks = num_blocks
+
+    def sampling_params(self, sp: SamplingParams | None) -> SamplingParams:
+        """`sp` (default: `SamplingParams()`), checked against what this engine can return."""
+        sp = SamplingParams() if sp is None else sp
+        if not isinstance(sp, SamplingParams):
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
+        if sp.logprobs is not None and sp.logprobs > min(self.config.max_logprobs, self.vocab_size):
+            raise InvalidRequestError(
+                f"logprobs: at most max_logprobs={self.config.max_logprobs} (and the vocabulary's "
+                f"{self.vocab_size}), got {sp.logprobs}"
+            )
+        return sp
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         max_len, vocab = self.max_model_len, self.vocab_size
@@ -89,6 +102,28 @@ class OutputProcessor:
             req.finish_reason is not None,
             req.finish_reason,  # type: ignore[arg-type]
             list(req.logprobs) if req.sampling_params.logprobs is not None else None,
+        )
+
+    def make_outputs(
+        self, progressed: list[tuple[Request, list[int]]]
+    ) -> tuple[list[RequestOutput], list[tuple[Request, Exception]]]:
+        """A step's outputs; a request whose own output fails (its detokenization) is returned apart."""
+        outputs: list[RequestOutput] = []
+        failed: list[tuple[Request, Exception]] = []
+        for req, toks in progressed:
+            try:
+                outputs.append(self.make_output(req, toks))
+            except Exception as e:
+                self.forget(req.request_id)
+                failed.append((req, e))
+        return outputs, failed
+
+    def error_output(self, req: Request) -> RequestOutput:
+        """The last output of a request that failed on its own: finished with "error", without text."""
+        self.forget(req.request_id)
+        req.finish_reason = "error"
+        return RequestOutput(
+            req.request_id, req.prompt_token_ids, list(req.output_token_ids), [], None, True, "error"
         )
 
     def forget(self, request_id: str) -> None:

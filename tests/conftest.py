@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -11,7 +14,8 @@ import psutil
 import pytest
 import torch
 
-from asyncexec.ipc.shm import SHM_DIR
+from asyncexec.ipc.channel import socket_dir_owner
+from asyncexec.ipc.shm import SHM_DIR, pid_alive, segment_owner
 from asyncexec.models import ARCHS, make_tiny_model
 
 
@@ -37,11 +41,53 @@ def no_leaks() -> Iterator[None]:
         time.sleep(0.05)
     for p in left:
         p.kill()
-    leaked = asyncexec_segments() - segments_before
+    # Only ours or a dead process's: other test runs of this user may be creating segments meanwhile.
+    leaked = {n for n in asyncexec_segments() - segments_before if _ours_or_dead(segment_owner(n))}
     for name in leaked:
-        os.unlink(os.path.join(SHM_DIR, name))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
     assert not left, f"test left child processes behind: {[(p.pid, p.cmdline()) for p in left]}"
     assert not leaked, f"test left shared-memory segments behind: {sorted(leaked)}"
+
+
+def asyncexec_socket_dirs() -> set[str]:
+    """This process's executor socket directories under the temp dir (their marker names this pid)."""
+    root = tempfile.gettempdir()
+    return {p for n in os.listdir(root) if socket_dir_owner(p := os.path.join(root, n)) == os.getpid()}
+
+
+def _ours_or_dead(pid: int | None) -> bool:
+    return pid is not None and (pid == os.getpid() or not pid_alive(pid))
+
+
+class LeakCheck:
+    """`no_leaks` for what outlives one test (a module-scoped executor): make one before starting it,
+    call `assert_clean` after its shutdown. Checks child processes, segments and socket directories."""
+
+    def __init__(self) -> None:
+        self.segments = asyncexec_segments()
+        self.children = {p.pid for p in _children()}
+        self.socket_dirs = asyncexec_socket_dirs()
+
+    def assert_clean(self, what: str) -> None:
+        deadline = time.monotonic() + 3.0
+        while True:
+            left = [p for p in _children() if p.pid not in self.children]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        for p in left:
+            p.kill()
+        # Only ours or a dead process's: other processes of this user may be creating segments meanwhile.
+        leaked = {n for n in asyncexec_segments() - self.segments if _ours_or_dead(segment_owner(n))}
+        for name in leaked:
+            os.unlink(os.path.join(SHM_DIR, name))
+        dirs = asyncexec_socket_dirs() - self.socket_dirs
+        for path in dirs:
+            shutil.rmtree(path, ignore_errors=True)
+        assert not left, f"{what} left child processes behind: {[(p.pid, p.cmdline()) for p in left]}"
+        assert not leaked, f"{what} left shared-memory segments behind: {sorted(leaked)}"
+        assert not dirs, f"{what} left socket directories behind: {sorted(dirs)}"
 
 
 @pytest.fixture(scope="session")

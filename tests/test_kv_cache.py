@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+
 import pytest
 
-from asyncexec.kv_cache import KVCacheManager
+from asyncexec.kv_cache import KVCacheManager, hash_block_tokens
 
 BS = 4
 
@@ -66,3 +69,42 @@ def test_eviction_takes_the_least_recently_freed_block() -> None:
 def test_a_pool_needs_two_blocks() -> None:
     with pytest.raises(ValueError, match="at least 2 blocks"):
         KVCacheManager(num_blocks=1, block_size=BS, enable_prefix_caching=True)
+
+
+def _cache(kv: KVCacheManager, rid: str, tokens: list[int]) -> int:
+    """Run `tokens` through the cache as one request (lookup, allocate, register, free); its hits."""
+    hit = kv.get_computed_blocks(rid, tokens)
+    kv.allocate_slots(rid, len(tokens))
+    kv.cache_full_blocks(rid, tokens, len(tokens))
+    kv.free(rid)
+    return hit
+
+
+def test_block_hashes_are_sha256_chained_over_the_parent_and_the_token_ids() -> None:
+    first = hash_block_tokens(None, [1, 2, 3, 4])
+    assert first == hashlib.sha256(array("q", [1, 2, 3, 4]).tobytes()).digest()
+    assert (
+        hash_block_tokens(first, [5, 6, 7, 8])
+        == hashlib.sha256(first + array("q", [5, 6, 7, 8]).tobytes()).digest()
+    )
+    assert hash_block_tokens(first, [5, 6, 7, 8]) != hash_block_tokens(None, [5, 6, 7, 8])
+    assert hash_block_tokens(None, [2**40, 1]) != hash_block_tokens(None, [0, 1])  # no truncation
+    kv = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    p = list(range(9))
+    _cache(kv, "a", p)
+    h0 = hash_block_tokens(None, p[:4])
+    assert set(kv.pool.cached) == {h0, hash_block_tokens(h0, p[4:8])}
+
+
+def test_a_hash_collision_is_never_a_cache_hit() -> None:
+    """With a hash function that collides on everything, only a block of the same tokens at the same
+    depth may be shared: a colliding digest alone never hands one request another's KV."""
+    kv = KVCacheManager(16, BS, enable_prefix_caching=True, hash_fn=lambda parent, tokens: b"same")
+    a = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert _cache(kv, "a", a) == 0
+    assert _cache(kv, "b", [9, 9, 9, 9, 5, 6, 7, 8, 9]) == 0, "other tokens, same digest: no hit"
+    assert kv.get_computed_blocks("c", [1, 2, 3, 4, 1, 2, 3, 4, 0]) == 4, (
+        "block 1 names the same digest and holds the tokens of a's block 0, but at another depth"
+    )
+    kv.free("c")
+    assert kv.get_computed_blocks("a2", a) == 4, "the same prompt still hits what it really shares"

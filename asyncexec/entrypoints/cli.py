@@ -79,6 +79,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=30,
         help="on SIGTERM, seconds running requests may take to finish before they are aborted (default: 30)",
     )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=4 << 20,
+        help="larger request bodies are refused with 413 (default: 4194304, 4 MiB)",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="HOST[,HOST...]",
+        help="Host header values answered, a port aside; others get 421, which stops DNS rebinding "
+        "(default: the --host address, localhost, 127.0.0.1, [::1]; * answers any)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        default=None,
+        metavar="ORIGIN[,ORIGIN...]",
+        help="origins (https://app.example.com) whose web pages may call the API: CORS headers are "
+        "answered to them only (default: none, no CORS headers; * allows any)",
+    )
     _common(p, default_level="info")
 
     p = sub.add_parser("bench", help="run the benchmark scripts (each prints a table and writes JSON)")
@@ -97,18 +117,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _common(p: argparse.ArgumentParser, default_level: str = "warning", model: bool = True) -> None:
+    from asyncexec.model_registry import DEFAULT_MODEL
+
     p.add_argument(
         "--log-level",
         default=default_level,
         choices=["debug", "info", "warning", "error"],
         help=f"logging level (default: {default_level})",
     )
-    add_engine_args(p, required_model=model)
+    add_engine_args(p, default_model=DEFAULT_MODEL if model else None)
 
 
 def _check_model_dir(path: str) -> None:
+    from asyncexec.model_registry import builtin_model, builtin_names
+
+    if builtin_model(path) is not None and not os.path.isdir(path):
+        return  # a built-in name: converted (once) when the engine starts
     if not os.path.isdir(path):
-        raise UsageError(f"model folder {path!r} does not exist (make one with `asyncexec make-model DIR`)")
+        raise UsageError(
+            f"model {path!r} is neither a folder nor a built-in model ({', '.join(builtin_names())}); "
+            "make a tiny one with `asyncexec make-model DIR`"
+        )
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise UsageError(f"model folder {path!r} has no config.json: not a Hugging Face model folder")
 
@@ -218,10 +247,29 @@ def _serve(ns: argparse.Namespace) -> int:
         raise UsageError(f"--port must be in 0..65535, got {ns.port}")
     if ns.shutdown_timeout < 0:
         raise UsageError(f"--shutdown-timeout must be >= 0, got {ns.shutdown_timeout}")
+    if ns.max_request_bytes < 1:
+        raise UsageError(f"--max-request-bytes must be >= 1, got {ns.max_request_bytes}")
+    from asyncexec.entrypoints.protocol import parse_allowed_hosts, parse_allowed_origins
+
+    try:
+        hosts = None if ns.allowed_hosts is None else parse_allowed_hosts(ns.allowed_hosts)
+        origins = [] if ns.allowed_origins is None else parse_allowed_origins(ns.allowed_origins)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     config = engine_config_from_args(ns)
     # uvicorn drains on SIGTERM, then re-raises it once its own handlers are gone: exit 0 then.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
-    run_server(config, ns.host, ns.port, ns.served_model_name, ns.shutdown_timeout, ns.log_level)
+    run_server(
+        config,
+        ns.host,
+        ns.port,
+        ns.served_model_name,
+        ns.shutdown_timeout,
+        ns.log_level,
+        max_request_bytes=ns.max_request_bytes,
+        allowed_hosts=hosts,
+        allowed_origins=origins,
+    )
     return 0
 
 

@@ -71,8 +71,8 @@ def _nullable(conv: Any, optional: bool) -> Any:
     return convert
 
 
-def add_engine_args(parser: argparse.ArgumentParser, *, required_model: bool = False) -> None:
-    """Add a flag for every `EngineConfig` field to `parser`."""
+def add_engine_args(parser: argparse.ArgumentParser, *, default_model: str | None = None) -> None:
+    """Add a flag for every `EngineConfig` field to `parser`; `--model` defaults to `default_model`."""
     docs = _field_docs()
     hints = typing.get_type_hints(EngineConfig)
     group = parser.add_argument_group("engine (every EngineConfig field)")
@@ -81,12 +81,16 @@ def add_engine_args(parser: argparse.ArgumentParser, *, required_model: bool = F
         default = f.default if f.default is not dataclasses.MISSING else None
         doc = docs.get(f.name, "").replace("%", "%%")
         shown = "none" if default is None else default
-        help_text = f"{doc} (default: {shown})" if f.name != "model" or not required_model else doc
+        if f.name == "model" and default_model is not None:
+            shown = default_model
+        help_text = f"{doc} (default: {shown})"
         kw: dict[str, Any] = dict(extra, default=argparse.SUPPRESS, help=help_text, dest=f.name)
         if conv is not None:
             kw["type"] = conv
-        if f.name == "model" and required_model:
-            kw.update(required=True, metavar="DIR")
+        if f.name == "model":
+            kw["metavar"] = "DIR|NAME"
+            if default_model is not None:
+                kw["default"] = default_model
         flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, ())]
         group.add_argument(*flags, **kw)
 

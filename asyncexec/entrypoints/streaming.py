@@ -3,6 +3,10 @@
 A client that leaves aborts its request: `race_disconnect` cancels the wait for the engine, and
 `SSEResponse` listens for `http.disconnect` beside the stream and closes the engine's generator, whose
 `finally` aborts the request and frees its blocks.
+
+A draining server that runs out of time sets its `abort` event: `race_disconnect` then raises
+`HTTPError(503)`, and `SSEResponse` stops its stream between two chunks and ends it properly, with an
+error event and `data: [DONE]`, instead of leaving the client a cut chunked transfer.
 """
 
 from __future__ import annotations
@@ -16,17 +20,53 @@ import anyio
 import msgspec
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
-from asyncexec.entrypoints.protocol import error_body
+from asyncexec.entrypoints.protocol import HTTPError, error_body
 from asyncexec.errors import AsyncExecError
 from asyncexec.outputs import RequestOutput
 
-__all__ = ["SSEResponse", "chat_choice", "completion_choice", "race_disconnect", "sse_chunks"]
+__all__ = [
+    "ABORTED",
+    "SSEResponse",
+    "chat_choice",
+    "completion_choice",
+    "last_output",
+    "prepend",
+    "race_disconnect",
+    "sse_chunks",
+    "usage_body",
+]
 
 _T = TypeVar("_T")
 _encode = msgspec.json.Encoder().encode
 _DONE = b"data: [DONE]\n\n"
+ABORTED = "the request was aborted: the server is shutting down and its --shutdown-timeout passed"
+_ABORTED_TAIL = b"data: " + _encode(error_body(503, ABORTED, "service_unavailable")) + b"\n\n" + _DONE
+
+
+def usage_body(out: RequestOutput) -> dict[str, int]:
+    p, c = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+async def prepend(
+    first: RequestOutput, rest: AsyncIterator[RequestOutput]
+) -> AsyncGenerator[RequestOutput, None]:
+    """`first`, then the rest of its request's outputs (none when `first` is the last)."""
+    yield first
+    if not first.finished:
+        async for out in rest:
+            yield out
+
+
+async def last_output(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The request's final output, `first` being the one already received."""
+    last = first
+    if not first.finished:
+        async for out in rest:
+            last = out
+    return last
 
 
 def _token_text(tok: Any, token_id: int) -> str:
@@ -142,44 +182,86 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-async def race_disconnect(request: Request, aw: Awaitable[_T]) -> _T | None:
-    """`await aw`, unless the client disconnects first: then `aw` is cancelled and None returned."""
+async def race_disconnect(
+    request: Request, aw: Awaitable[_T], abort: asyncio.Event | None = None
+) -> _T | None:
+    """`await aw`, unless the client disconnects first (then `aw` is cancelled and None returned), or
+    `abort` is set first (then `aw` is cancelled and `HTTPError(503)` raised)."""
     task: asyncio.Future[_T] = asyncio.ensure_future(aw)
-    watch = asyncio.ensure_future(_disconnected(request.receive))
+    watches: list[asyncio.Future[Any]] = [asyncio.ensure_future(_disconnected(request.receive))]
+    if abort is not None:
+        watches.append(asyncio.ensure_future(abort.wait()))
     try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        watch.cancel()
-        task.cancel()
-        raise
-    watch.cancel()
-    if task.done():
+        await asyncio.wait([task, *watches], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in watches:
+            w.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if not task.cancelled():
         return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    if abort is not None and abort.is_set():
+        raise HTTPError(503, ABORTED, "service_unavailable")
     return None
 
 
 class SSEResponse(StreamingResponse):
-    """A `text/event-stream` response that closes `generator` (aborting its request) however it ends."""
+    """A `text/event-stream` response that closes `generator` (aborting its request) however it ends.
 
-    def __init__(self, chunks: AsyncGenerator[bytes, None], generator: AsyncGenerator[Any, None]) -> None:
+    When `abort` is set first, the stream stops between two chunks, `on_abort` is called, and the
+    response ends with an error event and `data: [DONE]`.
+    """
+
+    def __init__(
+        self,
+        chunks: AsyncGenerator[bytes, None],
+        generator: AsyncGenerator[Any, None],
+        abort: asyncio.Event | None = None,
+        on_abort: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._chunks, self._generator = chunks, generator
+        self._abort, self._on_abort = abort, on_abort
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sent = {"started": False, "ended": False}
+
+        async def tracked(message: Message) -> None:
+            await send(message)
+            sent["started"] = True
+            sent["ended"] = message["type"] == "http.response.body" and not message.get("more_body")
+
+        aborted = False
         try:
             async with anyio.create_task_group() as tg:
 
                 async def stream() -> None:
                     with contextlib.suppress(OSError):
-                        await self.stream_response(send)
+                        await self.stream_response(tracked)
+                    tg.cancel_scope.cancel()
+
+                async def watch_abort(abort: asyncio.Event) -> None:
+                    nonlocal aborted
+                    await abort.wait()
+                    aborted = True
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(stream)
+                if self._abort is not None:
+                    tg.start_soon(watch_abort, self._abort)
                 await self.listen_for_disconnect(receive)
                 tg.cancel_scope.cancel()
+            if aborted and not sent["ended"]:
+                if self._on_abort is not None:
+                    self._on_abort()
+                with contextlib.suppress(OSError):
+                    if not sent["started"]:
+                        await send(
+                            {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+                        )
+                    await send({"type": "http.response.body", "body": _ABORTED_TAIL, "more_body": False})
         finally:
             await self._chunks.aclose()
             await self._generator.aclose()

@@ -9,6 +9,7 @@ every call raises `ExecutorClosedError` chained from the `WorkerDiedError` that 
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
 from collections.abc import Sequence
 from types import TracebackType
@@ -36,7 +37,10 @@ FAIL_FAST_METHODS = frozenset(START_METHODS)
 
 
 class Executor(abc.ABC):
-    """Runs calls on `config.world_size` worker ranks; an async context manager."""
+    """Runs calls on `config.world_size` worker ranks; an async context manager.
+
+    `Executor.create(config)` returns one not yet started: no rank runs until `start()` (or `async with`).
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -63,7 +67,8 @@ class Executor(abc.ABC):
 
     @classmethod
     def create(cls, config: EngineConfig) -> Executor:
-        """A new, not yet started executor of the kind `config` asks for."""
+        """A new executor of the kind `config` asks for. It is not started: `await executor.start()` (or
+        `async with`) starts the ranks."""
         return cls.get_class(config)(config)
 
     @property
@@ -82,6 +87,10 @@ class Executor(abc.ABC):
             raise ExecutorClosedError("executor was already started")
         self._started = True
         try:
+            if self.config.model is not None:  # a built-in name becomes its folder before any rank starts
+                from asyncexec.model_registry import resolve_config
+
+                self.config = await asyncio.to_thread(resolve_config, self.config)
             await self._start()
             if self.config.model is not None:
                 await self._start_model()

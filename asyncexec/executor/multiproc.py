@@ -6,7 +6,8 @@ call when every rank has answered.
 
 Liveness: every worker's pidfd is watched by the loop (`add_reader`); readable means the process exited,
 confirmed with `poll()` before acting, since only an exit code proves a death. A death fails every
-pending call with `WorkerDiedError` at once, marks the executor failed and terminates the other ranks.
+pending call with `WorkerDiedError` at once, marks the executor failed, terminates the other ranks and
+tells the owner (`on_failure`), which may shut the executor down at once (see `asyncexec.supervisor`).
 Each worker also watches us through its stdin (see `asyncexec.worker.proc`).
 
 Shutdown: `Shutdown` message -> SIGTERM after `SHUTDOWN_GRACE_S` -> SIGKILL after `TERM_GRACE_S`; then the
@@ -25,7 +26,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +42,7 @@ from asyncexec.errors import (
 )
 from asyncexec.executor.abstract import FAIL_FAST_METHODS, Executor
 from asyncexec.executor.spares import SpareWorkers, popen_worker
-from asyncexec.ipc.channel import ExecutorChannel
+from asyncexec.ipc.channel import ExecutorChannel, sweep_stale_socket_dirs
 from asyncexec.ipc.codec import Decoder, Encoder
 from asyncexec.ipc.shm import ShmArena, ShmReader, remove_segments_of, sweep_stale_segments
 from asyncexec.messages import (
@@ -81,6 +82,8 @@ class MultiProcExecutor(Executor):
 
     _procs: list[subprocess.Popen[bytes]]
     spares: SpareWorkers | None = None  # set by the owner (AsyncEngine) before start
+    # Set by the owner: called once, on the loop, when a worker death fails the executor (idle or not).
+    on_failure: Callable[[BaseException], None] | None = None
 
     @property
     def worker_pids(self) -> list[int]:
@@ -90,6 +93,8 @@ class MultiProcExecutor(Executor):
     async def _start(self) -> None:
         for name in sweep_stale_segments():
             logger.info("removed stale shared-memory segment %s", name)
+        for path in sweep_stale_socket_dirs():
+            logger.info("removed stale socket directory %s", path)
         self._loop = asyncio.get_running_loop()
         self._ids = itertools.count()
         self._pending: dict[int, _Call] = {}
@@ -164,7 +169,8 @@ class MultiProcExecutor(Executor):
         self._loop.add_reader(fd, on_exit)
 
     def _fail(self, exc: BaseException) -> None:
-        if self._failure is None:
+        first = self._failure is None
+        if first:
             self._failure = exc
         for call in self._pending.values():
             if not call.future.done():
@@ -175,6 +181,8 @@ class MultiProcExecutor(Executor):
                 f.set_exception(exc)
         if self._terminating is None:
             self._terminating = self._loop.create_task(self._terminate_workers(), name="asyncexec-terminate")
+        if first and self.on_failure is not None:
+            self.on_failure(exc)
 
     # ----- replies ----------------------------------------------------------------------------------
 

@@ -6,7 +6,11 @@ Topology, per executor::
     PUSH  bound  <dir>/req-<r>   ---- requests ---> PULL connect
     PULL  bound  <dir>/reply     <--- replies ----- PUSH connect   (all ranks share it)
 
-ipc:// sockets live in a private 0700 temporary directory per executor, removed at close. TCP is used
+ipc:// sockets live in a private 0700 temporary directory per executor, removed at close, named
+``asyncexec-<owner pid>-<8 random>`` with a marker file ``asyncexec-owner`` inside holding the owner pid.
+A SIGKILLed executor cannot remove its directory; the next start sweeps it (`sweep_stale_socket_dirs`),
+but only a directory that is provably ours: the name's pid and the marker agree, both are this uid's, and
+that pid is dead. A name that merely starts with ``asyncexec-`` is never enough. TCP is used
 only when a host is given (ranks on other machines), bound to that IP on random ports, never to `*`,
 and authenticated with ZeroMQ CURVE: the executor's sockets are CURVE servers, keys are made per
 executor, and a ZAP handler admits only the client key handed to the ranks at spawn. On TCP a message
@@ -27,7 +31,9 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import os
+import re
 import shutil
+import stat
 import tempfile
 import weakref
 from collections.abc import Callable, Sequence
@@ -38,10 +44,22 @@ import zmq
 import zmq.asyncio
 import zmq.auth.asyncio
 
-__all__ = ["CurveClientKeys", "ExecutorChannel", "WorkerChannel"]
+from asyncexec.ipc.shm import pid_alive
+
+__all__ = [
+    "OWNER_FILE",
+    "CurveClientKeys",
+    "ExecutorChannel",
+    "WorkerChannel",
+    "socket_dir_owner",
+    "sweep_stale_socket_dirs",
+]
 
 Frames = Sequence[Any]  # bytes, memoryview or zmq.Frame; frame 0 is the msgpack
 _ZERO_COPY_MIN = 65536
+OWNER_FILE = "asyncexec-owner"
+_DIR_RE = re.compile(r"^asyncexec-(\d+)-[a-z0-9_]{8}$")  # what `tempfile.mkdtemp(prefix=...)` makes
+_MAX_MARKER = 32
 
 
 class CurveClientKeys(msgspec.Struct, array_like=True, gc=False):
@@ -81,6 +99,63 @@ def _sync_recv_frames(sock: zmq.Socket[Any]) -> list[Any]:
     return frames
 
 
+def _make_socket_dir() -> str:
+    """A fresh 0700 directory under the temp dir, marked with this process's pid."""
+    path = tempfile.mkdtemp(prefix=f"asyncexec-{os.getpid()}-")  # mkdtemp makes it 0700
+    try:
+        os.chmod(path, 0o700)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(os.path.join(path, OWNER_FILE), flags, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()}\n")
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    return path
+
+
+def socket_dir_owner(path: str) -> int | None:
+    """The owner pid of the executor socket directory `path`, or None where it is not provably one.
+
+    Provably one: a real directory of this uid named ``asyncexec-<pid>-<8>``, holding a regular
+    ``asyncexec-owner`` file of this uid whose content is that same pid.
+    """
+    m = _DIR_RE.match(os.path.basename(path))
+    if m is None:
+        return None
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            return None
+        fd = os.open(os.path.join(path, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            mst = os.fstat(fd)
+            if not stat.S_ISREG(mst.st_mode) or mst.st_uid != os.geteuid():
+                return None
+            marker = os.read(fd, _MAX_MARKER)
+        finally:
+            os.close(fd)
+    except OSError:  # gone meanwhile, no marker, or not ours to read
+        return None
+    return int(m.group(1)) if marker == f"{m.group(1)}\n".encode() else None
+
+
+def sweep_stale_socket_dirs(root: str | None = None) -> list[str]:
+    """Remove this user's executor socket directories whose owner process is gone; returns their paths.
+
+    `root` defaults to the temp dir, where `ExecutorChannel` makes them.
+    """
+    root = tempfile.gettempdir() if root is None else root
+    removed = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        pid = socket_dir_owner(path)
+        if pid is not None and pid != os.getpid() and not pid_alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 class _OnlyKey:
     """ZAP credentials: admit exactly one client public key."""
 
@@ -103,8 +178,7 @@ class ExecutorChannel:
         self._auth: zmq.auth.asyncio.AsyncioAuthenticator | None = None
         try:
             if tcp_host is None:
-                self.dir = tempfile.mkdtemp(prefix="asyncexec-")  # mkdtemp makes it 0700
-                os.chmod(self.dir, 0o700)
+                self.dir = _make_socket_dir()
                 self._rmdir = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
             else:
                 self._start_curve()

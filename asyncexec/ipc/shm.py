@@ -40,7 +40,16 @@ from typing import NamedTuple
 
 from asyncexec.errors import ProtocolError
 
-__all__ = ["SHM_DIR", "Region", "ShmArena", "ShmReader", "remove_segments_of", "sweep_stale_segments"]
+__all__ = [
+    "SHM_DIR",
+    "Region",
+    "ShmArena",
+    "ShmReader",
+    "pid_alive",
+    "remove_segments_of",
+    "segment_owner",
+    "sweep_stale_segments",
+]
 
 SHM_DIR = "/dev/shm"
 ALIGN = 64
@@ -253,12 +262,14 @@ def _map_peer_segment(name: str) -> memoryview:
     return memoryview(mm)
 
 
-def _owner_pid(name: str) -> int | None:
+def segment_owner(name: str) -> int | None:
+    """The pid that created segment `name`, or None where the name is not an asyncexec segment's."""
     m = _NAME_RE.match(name)
     return int(m.group(1)) if m else None
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (owned by anyone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -282,8 +293,8 @@ def sweep_stale_segments() -> list[str]:
     """Unlink this user's `asyncexec-*` segments whose owner process is gone; returns their names."""
     removed = []
     for name in os.listdir(SHM_DIR):
-        pid = _owner_pid(name)
-        if pid is not None and pid != os.getpid() and not _pid_alive(pid) and _unlink_owned(name):
+        pid = segment_owner(name)
+        if pid is not None and pid != os.getpid() and not pid_alive(pid) and _unlink_owned(name):
             removed.append(name)
     return removed
 
@@ -292,6 +303,6 @@ def remove_segments_of(pid: int) -> list[str]:
     """Unlink every segment created by `pid`, a process known to be dead (a worker we reaped)."""
     removed = []
     for name in os.listdir(SHM_DIR):
-        if _owner_pid(name) == pid and _unlink_owned(name):
+        if segment_owner(name) == pid and _unlink_owned(name):
             removed.append(name)
     return removed

@@ -44,6 +44,25 @@ def model_max_len(hf_config: Any) -> int:
     raise ConfigError(f"cannot tell the context length of {type(hf_config).__name__}; set max_model_len")
 
 
+# The dimensions transformers' tensor-parallel plans split across ranks (colwise/rowwise projections).
+_SPLIT_DIMS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def check_tensor_parallel(arch: str, hf_config: Any, world_size: int) -> None:
+    """Refuse, before any weight is loaded, a split that does not divide every dimension it cuts."""
+    if world_size == 1:
+        return
+    text = hf_config.get_text_config()
+    dims = {n: getattr(text, n) for n in _SPLIT_DIMS if isinstance(getattr(text, n, None), int)}
+    bad = {n: v for n, v in dims.items() if v % world_size}
+    if bad:
+        shown = ", ".join(f"{n}={v}" for n, v in dims.items())
+        raise ConfigError(
+            f"{arch} cannot be split over tensor_parallel_size={world_size}: {shown}, and "
+            f"{', '.join(bad)} must be divisible by {world_size}"
+        )
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device, world_size: int) -> None:
         self.config = config
@@ -79,6 +98,7 @@ class ModelRunner:
                 f"{arch} cannot be split over {self.world_size} ranks: transformers has no tensor-parallel "
                 "plan for it (base_model_tp_plan is empty); use tensor_parallel_size=1"
             )
+        check_tensor_parallel(arch, hf_config, self.world_size)
         self.hf_config = hf_config
         self.arch = arch
         self.max_model_len = self.config.max_model_len or model_max_len(hf_config)

@@ -9,6 +9,7 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from asyncexec import (
@@ -22,6 +23,8 @@ from asyncexec import (
     WorkerDiedError,
 )
 from asyncexec.config import ExecutorKind
+from asyncexec.errors import EngineStepError, RequestFailedError
+from asyncexec.executor.multiproc import MultiProcExecutor
 from tests.conftest import hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -199,12 +202,15 @@ async def test_direct_steps_and_the_background_loop_are_serialized(tiny_models: 
 async def test_dead_worker_reaches_every_generate_caller(tiny_models: dict[str, Path]) -> None:
     async with AsyncEngine(engine_config(tiny_models["llama"], "mp", 2)) as engine:
         long = SamplingParams(temperature=0.0, max_tokens=100_000 // 1000, ignore_eos=True)
-        pids = await engine.collective_rpc("get_model_info")
-        assert len(pids) == 2
+        infos = await engine.collective_rpc("get_model_info")
+        assert infos == [engine.model_info] * 2, "both ranks serve the same model"
+        assert isinstance(engine.executor, MultiProcExecutor)
+        pids = engine.executor.worker_pids
+        children = {p.pid for p in psutil.Process().children()}
+        assert len(set(pids)) == 2 and set(pids) <= children, "two worker processes of ours, by rank"
         tasks = [asyncio.ensure_future(collect(engine, list(range(i + 5)), long)) for i in range(4)]
         await asyncio.sleep(0.3)
-        assert engine.executor is not None
-        victim = engine.executor._procs[1].pid  # type: ignore[attr-defined]
+        victim = pids[1]
         start = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -238,3 +244,64 @@ async def test_stop_tokens_and_logprobs(tiny_models: dict[str, Path]) -> None:
         assert tok in lp and len(lp) <= 3 and max(lp.values()) == lp[tok], (
             "greedy: the sampled token is the top one"
         )
+
+
+@pytest.mark.parametrize("method", ["schedule", "update_from_output"])
+async def test_a_step_failing_outside_the_workers_reaches_every_caller(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    async with AsyncEngine(engine_config(tiny_models["llama"])) as engine:
+        long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        tasks = [asyncio.ensure_future(collect(engine, list(range(i + 3)), long)) for i in range(4)]
+        await asyncio.sleep(0.05)  # streaming by now
+
+        def broken(*args: object) -> None:
+            raise RuntimeError(f"{method} broke")
+
+        assert engine.scheduler is not None
+        monkeypatch.setattr(engine.scheduler, method, broken)
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+        assert all(isinstance(r, EngineStepError) and isinstance(r.__cause__, RuntimeError) for r in results)
+        assert not engine.is_healthy
+        with pytest.raises(ExecutorClosedError, match=f"engine has failed: .*RuntimeError: {method} broke"):
+            engine.add_request([1, 2])
+        monkeypatch.undo()
+        stats = engine.scheduler.stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"] and not engine.has_unfinished_requests()
+        assert (
+            engine.metrics.registry.get_sample_value(
+                "asyncexec_requests_finished_total", {"finish_reason": "error"}
+            )
+            == 4
+        )
+
+
+async def test_a_request_whose_detokenizer_fails_fails_alone(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work = workload(5, seed=7)
+    async with AsyncEngine(engine_config(tiny_models["llama"])) as engine:
+        refs = await run_all(engine, work)  # the same prompts, undisturbed
+        sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+        bad = engine.generate([5, 6, 7], sp, request_id="bad")
+        await bad.__anext__()  # its detokenizer exists now
+
+        def update(token_ids: list[int]) -> None:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+        monkeypatch.setattr(engine._outputs._detok["bad"], "update", update)
+        others = asyncio.ensure_future(run_all(engine, work))
+        with pytest.raises(RequestFailedError, match="request 'bad' failed: UnicodeDecodeError") as info:
+            await asyncio.wait_for(bad.__anext__(), 10)
+        assert isinstance(info.value.__cause__, UnicodeDecodeError)
+        assert await asyncio.wait_for(others, 60) == refs, "the others complete as if nothing happened"
+        assert engine.is_healthy and not engine.has_unfinished_requests()
+        stats = engine.stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"], "the failed request's blocks are back"
+        assert (
+            engine.metrics.registry.get_sample_value(
+                "asyncexec_requests_finished_total", {"finish_reason": "error"}
+            )
+            == 1
+        )
+        assert (await collect(engine, [5, 6, 7], sp)).finish_reason == "length", "and it keeps serving"

@@ -43,13 +43,16 @@ async def test_make_model_then_generate_streams_the_engine_output(tmp_path: Path
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["generate", "--model", "/nonexistent/dir", "hi"], "does not exist"),
+        (["generate", "--model", "/nonexistent/dir", "hi"], "is neither a folder nor a built-in model"),
         (["generate", "--model", "{model}", "--bogus", "hi"], "unrecognized arguments: --bogus"),
         (["generate", "--model", "{model}", "--max-num-seqs", "x", "hi"], "invalid int value"),
         (["generate", "--model", "{model}", "--executor", "tpu", "hi"], "'tpu' is not one of uni, mp, ray"),
         (["generate", "--model", "{model}", "--max-num-seqs", "0", "hi"], "max_num_seqs must be >= 1"),
         (["generate", "--model", "{model}"], "the following arguments are required: PROMPT"),
-        (["serve"], "the following arguments are required: --model"),
+        (
+            ["serve", "--model", "nosuchmodel"],
+            "is neither a folder nor a built-in model (smollm2-135m-instruct",
+        ),
         (["serve", "--model", "{model}", "--port", "70000"], "--port must be in 0..65535"),
         (["make-model", "{model}"], "exists and is not an empty folder"),
         (["make-model", "/tmp/x", "--arch", "bert"], "invalid choice: 'bert'"),
@@ -172,3 +175,12 @@ def test_sigterm_during_generate_shuts_the_engine_down(tiny_models: dict[str, Pa
         assert time.monotonic() < deadline, "workers outlived the CLI"
         time.sleep(0.05)
     assert asyncexec_segments() == before
+
+
+def test_generate_and_serve_default_to_the_built_in_model() -> None:
+    for argv in (["generate", "hi"], ["serve"]):
+        assert engine_config_from_args(build_parser().parse_args(argv)).model == "smollm2"
+    help_text = subprocess.run(
+        [sys.executable, "-m", "asyncexec", "serve", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "default: smollm2" in " ".join(help_text.split())

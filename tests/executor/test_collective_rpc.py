@@ -19,7 +19,10 @@ from asyncexec import (
     SchedulerOutput,
     WorkerFailedError,
 )
+from asyncexec.config import ExecutorKind
 from tests.executor.conftest import make_config
+
+RANK_MEMORY_EXT = "tests.executor.conftest:RankMemoryExtension"
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -93,10 +96,13 @@ async def test_execute_model_returns_a_typed_output(executor: Executor) -> None:
     assert out.req_ids == ["abc", "de"] and out.sampled_token_ids == [[3], [2]]
 
 
-async def test_memory_is_the_minimum_over_ranks(executor: Executor) -> None:
-    per_rank = await executor.collective_rpc("determine_available_memory")
-    assert await executor.determine_available_memory() <= max(per_rank)
-    assert all(isinstance(m, int) and m > 0 for m in per_rank)
+@pytest.mark.parametrize("kind", ["uni", "mp"])
+async def test_memory_is_the_minimum_over_ranks(kind: ExecutorKind) -> None:
+    cfg = make_config(kind, 2, worker_extension=RANK_MEMORY_EXT, shm_arena_bytes=1 << 20)
+    async with Executor.create(cfg) as ex:
+        per_rank = await ex.collective_rpc("determine_available_memory")
+        assert per_rank == [2 << 20, 1 << 20], "each rank offers its own budget"
+        assert await ex.determine_available_memory() == 1 << 20  # rank 1's: neither rank 0's nor the max
 
 
 async def test_model_methods_without_a_model_say_so(executor: Executor) -> None:

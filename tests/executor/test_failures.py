@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -22,10 +25,13 @@ from asyncexec import (
     WorkerFailedError,
     WorkerStartupError,
 )
-from asyncexec.executor.multiproc import MultiProcExecutor
+from asyncexec.executor.multiproc import SHUTDOWN_GRACE_S, TERM_GRACE_S, MultiProcExecutor
+from asyncexec.ipc.channel import OWNER_FILE
 from asyncexec.ipc.shm import sweep_stale_segments
 from tests.conftest import asyncexec_segments
 from tests.executor.conftest import make_config
+
+SIGTERM_EXT = "tests.executor.conftest:SigtermRecorderExtension"
 
 
 async def _mp(ranks: int = 2) -> Executor:
@@ -77,14 +83,26 @@ async def test_a_missing_extension_fails_start_clearly() -> None:
         await ex.start()
 
 
-async def test_shutdown_escalates_to_sigterm_then_sigkill() -> None:
-    ex = await _mp()
-    await ex.collective_rpc("ignore_sigterm")
-    with pytest.raises(asyncio.TimeoutError):  # both ranks are now stuck in a call
-        await ex.collective_rpc("sleep", (60.0,), timeout=0.1)
-    start = time.monotonic()
-    await ex.shutdown()
-    assert time.monotonic() - start < 8.0
+async def test_shutdown_escalates_to_sigterm_then_sigkill(tmp_path: Path) -> None:
+    ex = Executor.create(make_config("mp", 2, shm_arena_bytes=8 << 20, worker_extension=SIGTERM_EXT))
+    await ex.start()
+    assert isinstance(ex, MultiProcExecutor)
+    try:
+        await ex.collective_rpc("record_sigterm", (str(tmp_path),))
+        with pytest.raises(asyncio.TimeoutError):  # both ranks are now stuck in a call: deaf to Shutdown
+            await ex.collective_rpc("sleep", (60.0,), timeout=0.1)
+    finally:
+        start = time.time()
+        await ex.shutdown()
+        took = time.time() - start
+    kill_at = SHUTDOWN_GRACE_S + TERM_GRACE_S
+    assert [p.returncode for p in ex._procs] == [-signal.SIGKILL] * 2, "SIGTERM was survived, so SIGKILL"
+    for rank in (0, 1):
+        stamps = [float(t) - start for t in (tmp_path / f"sigterm-{rank}").read_text().split()]
+        assert len(stamps) == 1, f"rank {rank} got SIGTERM {len(stamps)} times"
+        # SIGTERM comes once Shutdown went unanswered for its grace, and well before SIGKILL.
+        assert SHUTDOWN_GRACE_S - 0.05 <= stamps[0] < SHUTDOWN_GRACE_S + 1.5, stamps
+    assert kill_at - 0.05 <= took < kill_at + 2.0
 
 
 async def test_parent_death_takes_the_workers_with_it(tmp_path: object) -> None:
@@ -214,3 +232,49 @@ async def test_starting_an_executor_sweeps_segments_of_dead_owners() -> None:
         assert stale not in asyncexec_segments()
     finally:
         await ex.shutdown()
+
+
+def _socket_dir(pid: int, *, marked: bool = True) -> str:
+    """A socket directory as an executor of `pid` leaves it (with a stand-in socket file)."""
+    path = tempfile.mkdtemp(prefix=f"asyncexec-{pid}-")
+    Path(path, "reply").touch()
+    if marked:
+        Path(path, OWNER_FILE).write_text(f"{pid}\n")
+    return path
+
+
+def _notes_dir() -> str:
+    """A user's own directory that merely shares the prefix."""
+    path = tempfile.mkdtemp(prefix="asyncexec-notes-")
+    Path(path, "notes.txt").write_text("mine\n")
+    return path
+
+
+def _contents(paths: dict[str, str]) -> dict[str, list[str] | None]:
+    return {what: sorted(os.listdir(p)) if os.path.isdir(p) else None for what, p in paths.items()}
+
+
+async def test_starting_an_executor_sweeps_socket_directories_of_dead_owners() -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dirs = {
+        "stale": _socket_dir(dead.pid),
+        "unmarked": _socket_dir(dead.pid, marked=False),
+        "live owner": _socket_dir(live.pid),
+        "notes": _notes_dir(),
+    }
+    try:
+        ex = await _mp(1)
+        await ex.shutdown()
+        assert _contents(dirs) == {
+            "stale": None,
+            "unmarked": ["reply"],
+            "live owner": [OWNER_FILE, "reply"],
+            "notes": ["notes.txt"],
+        }
+    finally:
+        live.kill()
+        live.wait()
+        for path in dirs.values():
+            shutil.rmtree(path, ignore_errors=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -49,9 +50,12 @@ async def test_tensor_parallel_ranks_size_their_cache_from_the_heads_they_see(
     cfg = config(tiny_models["llama"], "mp", 2)
     async with Executor.create(cfg) as ex:
         per_rank = await ex.collective_rpc("get_kv_cache_block_bytes")
-    one_rank = LAYERS * 2 * cfg.block_size * KV_HEADS * HEAD_DIM * F32
-    assert per_rank[0] == per_rank[1]
-    assert per_rank[0] in (one_rank, one_rank // 2), "either split KV heads or gathered, never anything else"
+    hf = json.loads((tiny_models["llama"] / "config.json").read_text())
+    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+    heads_per_rank = hf["num_key_value_heads"] // cfg.tensor_parallel_size  # the tp plan splits k/v_proj
+    dtype_bytes = torch.empty(0, dtype=getattr(torch, hf.get("dtype") or hf["torch_dtype"])).element_size()
+    expect = hf["num_hidden_layers"] * 2 * cfg.block_size * heads_per_rank * head_dim * dtype_bytes
+    assert per_rank == [expect, expect]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -9,6 +9,16 @@ The run fails (exit status 1) when a request was lost or errored, a bad request 
 output disagreed with its reference, the KV pool did not return to full, RSS grew by more than
 `--max-rss-growth` after warm-up, or a file descriptor or `/dev/shm/asyncexec-*` segment leaked.
 The report is printed and written as JSON.
+
+The greedy check runs in float32 only. In bfloat16 and float16 a greedy output depends on what else is
+in the batch (the GEMMs' reduction order changes with the batch's shape), so it may differ from the
+reference with no fault at all: with such a dtype (`--dtype`, or "auto" on a checkpoint saved in it)
+the check is skipped, the reason printed and written as the report's `greedy_check`.
+
+Defaults come from the model the run loads (`--model`, a folder or a built-in name, else a tiny random
+model): 2 ranks when the model's heads, KV heads and MLP width split over 2 (else 1), and a KV cache
+of `default_kv_blocks` blocks, a third of what the clients' longest requests take at once, so that
+requests get preempted.
 """
 
 from __future__ import annotations
@@ -16,8 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import tempfile
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +38,17 @@ from asyncexec.errors import ConfigError
 if TYPE_CHECKING:
     from asyncexec.config import EngineConfig
 
-__all__ = ["add_stress_args", "run_stress", "stress_config"]
+__all__ = [
+    "ModelFacts",
+    "add_stress_args",
+    "default_kv_blocks",
+    "greedy_skip_reason",
+    "model_facts",
+    "run_stress",
+    "stress_config",
+]
+
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def add_stress_args(p: argparse.ArgumentParser) -> None:
@@ -48,7 +70,8 @@ def add_stress_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="S",
-        help="SIGKILL a random worker rank every S seconds (mp executor)",
+        help="SIGKILL a random worker rank every S seconds of serving (S s after the start, then S s after "
+        "each restart completes) until --duration ends; not during the drain (mp executor)",
     )
     g.add_argument("--warmup", type=float, default=5.0, help="seconds of load before the RSS baseline (5)")
     g.add_argument(
@@ -62,15 +85,94 @@ def add_stress_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the stress defaults need to know of a model folder (read from its config.json)."""
+
+    folder: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # what the workers load it in: --dtype, else the checkpoint's, else float32
+    split_dims: dict[str, int]  # the dimensions tensor parallelism splits
+    has_tp_plan: bool
+
+    def can_split(self, world_size: int) -> bool:
+        """Whether `world_size` ranks can share the model (the check the workers make at start-up)."""
+        if world_size == 1:
+            return True
+        return self.has_tp_plan and all(v % world_size == 0 for v in self.split_dims.values())
+
+    def kv_block_bytes(self, block_size: int, world_size: int) -> int:
+        """Bytes of one KV block on one rank: layers * (K and V) * tokens * KV heads * head_dim * dtype."""
+        kv_heads = max(1, self.num_kv_heads // world_size)
+        return self.num_layers * 2 * block_size * kv_heads * self.head_dim * _ELEMENT_BYTES[self.dtype]
+
+
+def model_facts(model: str, dtype: str = "auto") -> ModelFacts:
+    """The facts of `model` (a folder or a built-in name, converted first if needed), loaded in `dtype`."""
+    import transformers
+
+    from asyncexec.model_registry import resolve_model
+    from asyncexec.worker.model_runner import _SPLIT_DIMS
+
+    folder = resolve_model(model)
+    try:
+        hf = transformers.AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the model config in {folder!r}: {e}") from e
+    text = hf.get_text_config()
+    heads = int(text.num_attention_heads)
+    if dtype == "auto":  # as the workers resolve it (ModelRunner._dtype)
+        found = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+        dtype = str(found).removeprefix("torch.") if found is not None else "float32"
+        dtype = dtype if dtype in _ELEMENT_BYTES else "float32"
+    dims = {n: getattr(text, n) for n in _SPLIT_DIMS if isinstance(getattr(text, n, None), int)}
+    return ModelFacts(
+        folder=folder,
+        num_layers=int(text.num_hidden_layers),
+        num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+        dtype=dtype,
+        split_dims=dims,
+        has_tp_plan=bool(getattr(hf, "base_model_tp_plan", None)),
+    )
+
+
+def greedy_skip_reason(dtype: str) -> str | None:
+    """Why the greedy check cannot hold in `dtype` (None in float32, where it is checked)."""
+    if dtype == "float32":
+        return None
+    return (
+        f"skipped: {dtype} greedy output depends on what else is in the batch (GEMM reduction order), "
+        "so it can differ from the reference with no fault; the check holds in float32 only"
+    )
+
+
+def default_kv_blocks(ns: argparse.Namespace, block_size: int) -> int:
+    """The default KV cache in blocks: a third of what `--concurrency` requests of the longest length
+    take (so requests get preempted), and at least 4 of them; plus the null block. With the default
+    flags, 38 blocks (608 tokens) for 16 clients whose requests reach 112 tokens (7 blocks)."""
+    longest = -(-(ns.max_prompt_len + ns.max_output_len) // block_size)
+    return int(max(4 * longest, ns.concurrency * longest // 3)) + 1
+
+
 def stress_config(ns: argparse.Namespace) -> EngineConfig:
-    """The engine config: the flags given, over stress defaults (mp, 2 ranks, a small KV cache)."""
+    """The engine config: the flags given, over stress defaults sized for the model `ns.model` resolves
+    to: mp; 2 ranks where the model splits over 2, else 1; a KV cache of `default_kv_blocks` blocks."""
+    from asyncexec.config import EngineConfig
     from asyncexec.entrypoints.config_args import engine_config_from_args
 
-    # A KV cache of 256 KiB (64 blocks of the tiny llama) is small enough that requests get preempted.
+    if getattr(ns, "model", None) is None:
+        raise ConfigError("the stress run needs a model")
+    facts = model_facts(ns.model, getattr(ns, "dtype", "auto"))
+    world_size = getattr(ns, "tensor_parallel_size", None) or (2 if facts.can_split(2) else 1)
+    block_size = getattr(ns, "block_size", EngineConfig.block_size)
+    num_blocks = default_kv_blocks(ns, block_size)
     defaults: dict[str, Any] = {
         "executor": "mp",
-        "tensor_parallel_size": 2,
-        "kv_cache_memory_bytes": 256 << 10,
+        "tensor_parallel_size": world_size,
+        "kv_cache_memory_bytes": num_blocks * facts.kv_block_bytes(block_size, world_size),
     }
     if ns.kill_worker_every:
         defaults["restart_on_worker_failure"] = True
@@ -104,7 +206,10 @@ def run_stress(
         config = stress_config(ns)
         if ns.kill_worker_every and config.executor_kind != "mp":
             raise ConfigError("--kill-worker-every needs the mp executor (its workers are processes)")
-        coro = stress(ns, config)
+        skip = greedy_skip_reason(model_facts(ns.model, config.dtype).dtype)
+        if skip is not None:
+            print(f"stress: greedy check {skip}", file=sys.stderr)
+        coro = stress(ns, config, greedy_skip=skip)
         result = uvloop.run(wrap(coro) if wrap is not None else coro)
     report = build_report(ns, config, result)
     print_report(report)

@@ -33,6 +33,7 @@ NULL_BLOCK = 0
 
 logger = logging.getLogger(__name__)
 
+PROFILE_TOKENS_CPU = 16
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -139,8 +140,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_run(self) -> None:
-        """A dummy forward at `max_num_batched_tokens`; records the KV shapes each layer sees."""
+        """A dummy forward; records the KV shapes each layer sees. On CUDA it runs at
+        `max_num_batched_tokens`, whose activation peak sizes the KV cache; on CPU the cache is sized
+        without a peak, so a few tokens do (a 2048-token forward of a 135M model takes 10-16 s there,
+        which every start and every restart paid)."""
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        if self.device.type != "cuda":
+            n = min(n, PROFILE_TOKENS_CPU)
         md = AttentionMetadata([], torch.empty(0, dtype=torch.int64), 0, torch.empty(0), torch.empty(0))
         md.profiling = True
         ids = torch.zeros(1, n, dtype=torch.int64, device=self.device)

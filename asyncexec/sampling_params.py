@@ -10,6 +10,9 @@ import msgspec
 
 from asyncexec.errors import InvalidRequestError
 
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
+
 __all__ = ["SamplingParams"]
 
 
@@ -56,8 +59,9 @@ class SamplingParams(
 
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax."""
-        return self.temperature == 0
+        """True when sampling reduces to argmax: `temperature` below `GREEDY_TEMPERATURE` (as vLLM does),
+        where dividing the logits by it would overflow float32 (1e-38 made every probability NaN)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _is_int(value: object) -> bool:

@@ -213,8 +213,11 @@ def main() -> None:
         res[dtype] = {}
         for peer in args.peers:
             progress(f"{dtype}: {peer} (own process)")
-            res[dtype][peer] = spawn_peer(peer, model, dtype, work)
-    report(res, eos, args.json, model, len(work))
+            res[dtype][peer] = r = spawn_peer(peer, model, dtype, work)
+            progress(f"{dtype}: {peer}: {r['tok_s']:.1f} tok/s")
+            save(res, args.json, model, len(work))  # a long run keeps what it measured if it is cut short
+    report(res, eos, model, len(work))
+    save(res, args.json, model, len(work))
 
 
 def prepare_model(args: argparse.Namespace) -> tuple[str, Any, int | None]:
@@ -254,7 +257,7 @@ def _agree(a: list[int], b: list[int], eos: int | None) -> bool:
     return a[:n] == b[:n]
 
 
-def report(res: dict[str, dict[str, Any]], eos: int | None, path: str, model: str, n: int) -> None:
+def report(res: dict[str, dict[str, Any]], eos: int | None, model: str, n: int) -> None:
     print(f"\nmodel {model}, {n} requests, greedy, all at once; each peer in its own process")
     head = f"{'dtype':9s} {'peer':18s} {'tok/s':>7s} {'xstatic':>8s} {'xgen_b':>7s} {'TTFT50':>7s} "
     print(head + f"{'TTFT99':>7s} {'ITL50':>6s} {'ITL99':>6s} {'ovh':>5s} {'agrees':>7s}")
@@ -274,14 +277,17 @@ def report(res: dict[str, dict[str, Any]], eos: int | None, path: str, model: st
             print(" ".join([*cols, f"{agree:3d}/{len(ref)}" if ref else "    -"]))
             if "error" in r:
                 print(f"  ({r['error']})")
+
+
+def save(res: dict[str, dict[str, Any]], path: str, model: str, n: int) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    slim = {
+        d: {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in p.items()}
+        for d, p in res.items()
+    }
     with open(path, "w") as f:
-        slim = {
-            d: {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in p.items()}
-            for d, p in res.items()
-        }
         json.dump({"model": model, "requests": n, "results": slim}, f, indent=1)
-    print(f"wrote {path}")
+    print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,13 @@ def asyncexec_segments() -> set[str]:
     return {n for n in os.listdir(SHM_DIR) if n.startswith("asyncexec-")}
 
 
+def our_segments() -> set[str]:
+    """`asyncexec_segments()` of this process, its descendants (Ray's actors too) or dead processes: not
+    those of other live processes, such as another test run on the same machine."""
+    ours = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
+    return {n for n in asyncexec_segments() if (o := segment_owner(n)) in ours or _ours_or_dead(o)}
+
+
 def _children() -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
 

@@ -84,12 +84,16 @@ def http_error(e: Exception) -> HTTPError:
     return HTTPError(500, "internal server error", "internal_server_error")
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
+class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A field this server does not implement is refused with a 400 naming it, never ignored
+    (`forbid_unknown_fields`); `user` is accepted, as it only labels the caller."""
+
     model: str | None = None
+    user: str | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -135,12 +139,12 @@ class CompletionRequest(_Sampling, kw_only=True):
             raise HTTPError(400, "echo is not supported", param="echo")
 
 
-class ContentPart(msgspec.Struct, kw_only=True):
+class ContentPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: str
     text: str = ""
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
 
@@ -169,6 +173,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
 
 _AT = re.compile(r"at `\$\.?([^`]*)`|missing required field `([^`]*)`")
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`(?: - at `\$\.?([^`]*)`)?")
 
 
 def decode_body(body: bytes, kind: type[Any]) -> Any:
@@ -176,6 +181,10 @@ def decode_body(body: bytes, kind: type[Any]) -> Any:
     try:
         req = msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
+        u = _UNKNOWN.search(str(e))
+        if u is not None:
+            name = f"{u.group(2)}.{u.group(1)}" if u.group(2) else u.group(1)
+            raise HTTPError(400, f"{name} is not supported by this server", param=name) from None
         m = _AT.search(str(e))
         param = (m.group(1) or m.group(2)) if m else None
         raise HTTPError(400, f"invalid request body: {e}", param=param or None) from None

@@ -53,19 +53,33 @@ def assert_error(r: httpx.Response, status: int, needle: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("path", "body"),
+    ("path", "body", "needle"),
     [
-        ("/v1/completions", '{"prompt": "hi", "max_tokens": 1, "extra": %s}'),
-        ("/v1/completions", '{"prompt": "hi", "max_tokens": 1, "stream_options": {"x": %s}}'),
-        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi", "x": %s}]}'),
+        ("/v1/completions", '{"prompt": "hi", "max_tokens": 1, "extra": %s}', "extra is not supported"),
+        (
+            "/v1/completions",
+            '{"prompt": "hi", "max_tokens": 1, "stream_options": {"x": %s}}',
+            "stream_options.x is not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "hi", "x": %s}]}',
+            "messages[0].x is not supported",
+        ),
+        (
+            "/v1/completions",
+            '{"prompt": %s, "max_tokens": 1}',
+            "Expected `int`, got `array` - at `$.prompt[0]`",
+        ),
+        ("/v1/completions", '{"prompt": "hi", "stop_token_ids": %s}', "Expected `int`"),
     ],
 )
 def test_deep_json_is_a_400_and_the_connection_stays_usable(
-    server: ServerProcess, path: str, body: str
+    server: ServerProcess, path: str, body: str, needle: str
 ) -> None:
     with httpx.Client(base_url=server.url, timeout=60) as c:
         deep = c.post(path, content=body % NEST, headers={"content-type": "application/json"})
-        err = assert_error(deep, 400, "nested too deeply")
+        err = assert_error(deep, 400, needle)
         assert err["type"] == "invalid_request_error"
         ok = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert ok.status_code == 200, ok.text
@@ -301,3 +315,38 @@ def test_bad_server_flags_give_one_line_and_status_2(
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+UNSUPPORTED = {  # OpenAI's request fields this server does not implement: each must be refused, by name
+    "/v1/completions": {
+        "suffix": "x", "best_of": 2, "logit_bias": {"1": 5}, "presence_penalty": 0.5,
+        "frequency_penalty": 0.5, "response_format": {"type": "json_object"}, "min_tokens": 2,
+        "repetition_penalty": 1.2, "include_stop_str_in_output": True, "guided_json": {},
+        "prompt_logprobs": 1, "metadata": {"a": "b"},
+    },
+    "/v1/chat/completions": {
+        "response_format": {"type": "json_object"}, "tools": [], "tool_choice": "required", "functions": [],
+        "function_call": "auto", "parallel_tool_calls": True, "presence_penalty": 0.5, "logit_bias": {"1": 5},
+        "frequency_penalty": 0.5, "modalities": ["text"], "audio": {}, "prediction": {}, "store": True,
+        "reasoning_effort": "low", "web_search_options": {}, "service_tier": "auto", "metadata": {"a": "b"},
+        "guided_regex": "a+", "chat_template": "x", "add_generation_prompt": False, "echo": True,
+    },
+}  # fmt: skip
+
+
+async def test_every_unimplemented_field_is_refused_by_name(tiny_models: dict[str, Path]) -> None:
+    app = build_app(engine_config(tiny_models["llama"]))
+    base = {"/v1/completions": {"prompt": "hi"}, "/v1/chat/completions": {"messages": [{"role": "user"}]}}
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+            for path, fields in UNSUPPORTED.items():
+                for name, value in fields.items():
+                    r = await client.post(path, json={**base[path], "max_tokens": 1, name: value})
+                    err = assert_error(r, 400, "is not supported")
+                    assert err["param"] == name, (path, name, err)
+            msg = {"role": "user", "content": "hi", "name": "bob"}
+            r = await client.post("/v1/chat/completions", json={"messages": [msg]})
+            assert assert_error(r, 400, "is not supported")["param"] == "messages[0].name"
+            ok = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "user": "u"})
+            assert ok.status_code == 200, ok.text

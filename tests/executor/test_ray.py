@@ -26,7 +26,7 @@ from asyncexec import (
     WorkerFailedError,
 )
 from asyncexec.executor.ray_executor import RayExecutor
-from tests.conftest import asyncexec_segments
+from tests.conftest import our_segments
 from tests.executor.conftest import EXT
 
 ray = pytest.importorskip("ray")
@@ -50,9 +50,9 @@ def ray_instance() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:  # overrides the suite's: Ray owns long-lived processes here
-    before = asyncexec_segments()
+    before = our_segments()
     yield
-    assert asyncexec_segments() <= before, "a test left shared-memory segments behind"
+    assert our_segments() <= before, "a test left shared-memory segments behind"
 
 
 @pytest_asyncio.fixture(loop_scope="module")

@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from asyncexec import AsyncEngine
-from tests.conftest import asyncexec_segments, hf_greedy
+from tests.conftest import hf_greedy, our_segments
 from tests.engine.test_engine import engine_config, run_all, workload
 
 ray = pytest.importorskip("ray")
@@ -43,9 +43,9 @@ def two_nodes() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:  # overrides the suite's: the cluster owns long-lived processes here
-    before = asyncexec_segments()
+    before = our_segments()
     yield
-    assert asyncexec_segments() <= before
+    assert our_segments() <= before
 
 
 async def test_two_nodes_over_tcp_match_hf(tiny_models: dict[str, Path]) -> None:
@@ -54,9 +54,9 @@ async def test_two_nodes_over_tcp_match_hf(tiny_models: dict[str, Path]) -> None
     cfg = engine_config(
         tiny_models["llama"], "ray", 2, ray_placement_strategy="STRICT_SPREAD", distributed_host="127.0.0.1"
     )
-    before = asyncexec_segments()
+    before = our_segments()
     async with AsyncEngine(cfg) as engine:
         assert engine.executor is not None
         assert engine.executor._channel.reply_addr.startswith("tcp://")  # type: ignore[attr-defined]
         assert await run_all(engine, work) == refs
-        assert asyncexec_segments() == before, "the TCP path uses no shared memory"
+        assert our_segments() == before, "the TCP path uses no shared memory"

@@ -73,3 +73,12 @@ def test_logprobs_report_the_sampled_token_and_the_top_n() -> None:
     assert lp.token_ids == [[1, 1, 3]]
     assert torch.allclose(torch.tensor(lp.logprobs[0]), expect[[1, 1, 3]])
     assert lp.sampled_token_ranks == [1]
+
+
+def test_a_tiny_positive_temperature_samples_greedily_not_nan() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50) * 20
+    params = [SamplingParams(temperature=t, seed=1) for t in (1e-45, 1e-38, 9e-6)]
+    tokens, _ = Sampler(seed=0)(logits, params, [0, 0, 0])
+    assert tokens == logits.argmax(-1).tolist()
+    assert all(p.greedy for p in params) and not SamplingParams(temperature=1e-4).greedy

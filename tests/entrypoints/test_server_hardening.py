@@ -336,7 +336,10 @@ UNSUPPORTED = {  # OpenAI's request fields this server does not implement: each 
 
 async def test_every_unimplemented_field_is_refused_by_name(tiny_models: dict[str, Path]) -> None:
     app = build_app(engine_config(tiny_models["llama"]))
-    base = {"/v1/completions": {"prompt": "hi"}, "/v1/chat/completions": {"messages": [{"role": "user"}]}}
+    base: dict[str, dict[str, Any]] = {
+        "/v1/completions": {"prompt": "hi"},
+        "/v1/chat/completions": {"messages": [{"role": "user"}]},
+    }
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:

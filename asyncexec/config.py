@@ -56,12 +56,17 @@ class EngineConfig:
         max_model_len: the longest sequence (prompt + output); None takes the model's own limit.
         max_num_seqs: the most requests in one step.
         max_num_batched_tokens: the most tokens in one step (the chunked-prefill budget).
+        long_prefill_token_threshold: while other requests are running, one request's prefill takes at
+            most this many tokens of a step, so a long prompt does not stall their streams (vLLM's
+            name); a prefill alone takes the whole budget. 0 turns the cap off.
         kv_cache_memory_bytes: the KV cache's size per rank; None sizes it from memory (see
             `Worker.determine_available_memory`).
         gpu_memory_utilization: on CUDA, the share of the device's memory the rank may use in total.
-        enforce_eager: never capture or replay CUDA graphs.
-        cudagraph_capture_sizes: decode batch sizes to capture on CUDA; None means 1, 2, 4, 8, then
-            steps of 8 up to `max_num_seqs`.
+        enforce_eager: run every step eager: no CUDA graphs, and on CPU no compiled decode graphs
+            (`asyncexec.worker.cpu_graph`) or in-place decode kernel.
+        cudagraph_capture_sizes: the decode batch sizes of graph mode (CUDA graphs, or compiled CPU
+            graphs); a batch is padded to the next size. None means 1, 2, 4, 8, then steps of 8 up to
+            `max_num_seqs`.
         seed: seeds every rank's generators; ranks sample identically.
         check_rank_agreement: debug mode: `execute_model` checks that every rank sampled the same.
         enable_prefix_caching: share the KV blocks of equal prompt prefixes between requests.
@@ -92,6 +97,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 512
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
@@ -132,7 +138,7 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("seed", "max_worker_restarts", "max_logprobs"):
+        for name in ("seed", "max_worker_restarts", "max_logprobs", "long_prefill_token_threshold"):
             _check_int(name, getattr(self, name), minimum=0)
         for name in (
             "enforce_eager",
@@ -189,7 +195,7 @@ class EngineConfig:
 
     @property
     def capture_sizes(self) -> list[int]:
-        """The CUDA-graph batch sizes, largest first, none above `max_num_seqs`."""
+        """The graph-mode batch sizes, largest first, none above `max_num_seqs`."""
         if self.cudagraph_capture_sizes is not None:
             sizes = set(self.cudagraph_capture_sizes)
         else:

@@ -3,7 +3,9 @@
 `step()` is the whole data path, top to bottom: `Scheduler.schedule()` -> `await
 executor.execute_model(out)` -> `Scheduler.update_from_output()` -> one `RequestOutput` per request
 that progressed. Steps are serialized by a lock, so a direct `step()` caller and the background loop
-never interleave. The background loop runs only while `generate()` callers are waiting.
+never interleave. The background loop runs only while `generate()` callers are waiting. Stop strings
+are found in the update, on the detokenized text (`OutputProcessor`), and finish their request in the
+scheduler in that step; `n > 1` fans a request out to copies (`parallel_sampling`) that share its prompt.
 
 Self-healing (`restart_on_worker_failure`): when a worker dies, the step that saw it has the
 `ExecutorSupervisor` replace the executor, and re-queues every running request as preempted with the
@@ -37,6 +39,7 @@ from asyncexec.errors import (
 from asyncexec.executor import Executor
 from asyncexec.metrics import EngineMetrics
 from asyncexec.outputs import RequestOutput
+from asyncexec.parallel_sampling import ParentRequests, make_requests
 from asyncexec.processor import InputProcessor, OutputProcessor, load_tokenizer
 from asyncexec.sampling_params import SamplingParams
 from asyncexec.scheduler import Request, Scheduler
@@ -65,6 +68,7 @@ class AsyncEngine:
         self._inputs: InputProcessor | None = None
         self._outputs = OutputProcessor(None)
         self._streams: dict[str, asyncio.Queue[_Item]] = {}
+        self._parents = ParentRequests()
         self._lock: asyncio.Lock | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._dead: BaseException | None = None
@@ -88,7 +92,7 @@ class AsyncEngine:
             )
             self.tokenizer = await asyncio.to_thread(load_tokenizer, self._supervisor.config.model)
             self._inputs = InputProcessor(self.config, self.tokenizer, self.model_info, self.num_blocks)
-            self._outputs = OutputProcessor(self.tokenizer)
+            self._outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
         except BaseException:
             await self._supervisor.shutdown()
             raise
@@ -150,7 +154,8 @@ class AsyncEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Queue a request; validates synchronously and returns its id."""
+        """Queue a request; validates synchronously and returns its id. With `n > 1` (or `best_of`) its
+        copies are queued too, as one parent whose outputs carry each copy's `index`."""
         sched = self._live_scheduler()
         assert self._inputs is not None
         sp = self._inputs.sampling_params(sampling_params)
@@ -158,28 +163,33 @@ class AsyncEngine:
         rid = f"req-{next(self._ids)}" if request_id is None else request_id
         if not isinstance(rid, str) or not rid:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {rid!r}")
-        if rid in sched.requests or rid in self._streams:
-            raise InvalidRequestError(f"request_id {rid!r} is already in use")
+        reqs, parent = make_requests(rid, ids, sp)
+        for r in {rid, *(r.request_id for r in reqs)}:
+            if r in sched.requests or r in self._streams or r in self._parents:
+                raise InvalidRequestError(f"request_id {r!r} is already in use")
         if len(sched.waiting) >= self.config.max_waiting_requests:
             limit = self.config.max_waiting_requests
             raise EngineOverloadedError(
                 f"{len(sched.waiting)} requests are waiting (max_waiting_requests={limit})"
             )
-        sched.add_request(Request(rid, ids, sp))
+        sched.add_request(reqs[0], reqs[1:])
+        if parent is not None:
+            self._parents.add(parent)
         self.metrics.prompt_tokens.inc(len(ids))
         return rid
 
     def abort(self, request_id: str) -> None:
-        """Stop a request and free its blocks; its stream, if any, ends with finish_reason "abort"."""
+        """Stop a request (every copy of it) and free its blocks; its stream, if any, ends with
+        finish_reason "abort"."""
         if self.scheduler is None:
             return
-        req = self.scheduler.finish(request_id, "abort")
-        if req is not None:
-            self.metrics.on_finished("abort")
-            q = self._streams.get(request_id)
-            if q is not None:
-                q.put_nowait(self._outputs.make_output(req, []))
-        self._outputs.forget(request_id)
+        parent = self._parents.parents.get(request_id)
+        for rid in parent.child_ids if parent is not None else [request_id]:
+            req = self.scheduler.finish(rid, "abort")
+            if req is not None:
+                self.metrics.on_finished("abort")
+                self._deliver(self._outputs.make_output(req, []))
+            self._outputs.forget(rid)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_unfinished_requests()
@@ -225,17 +235,22 @@ class AsyncEngine:
                 return []
             try:
                 progressed, failed = sched.update_from_output(so, out)
-                outputs, bad = self._outputs.make_outputs(progressed)
+                outputs, bad = self._outputs.make_outputs(progressed)  # stop strings finish here
                 outputs += [self._fail_request(sched, req, exc) for req, exc in [*failed, *bad]]
                 done = [p for p in progressed if p[0].finish_reason != "error"]
                 self.metrics.on_step(time.perf_counter() - t0, done)
             except Exception as e:
                 raise self._die(e)  # noqa: B904 (EngineStepError chains e; an asyncexec error is e)
-        for o in outputs:
+        return [routed for o in outputs for routed in self._deliver(o)]
+
+    def _deliver(self, out: RequestOutput) -> list[RequestOutput]:
+        """Hand `out` (as its parent's, for a copy) to its stream, if one waits; returns what was sent."""
+        routed = self._parents.route(out)
+        for o in routed:
             q = self._streams.get(o.request_id)
             if q is not None:
                 q.put_nowait(o)
-        return outputs
+        return routed
 
     async def _heal_or_die(self, exc: BaseException, sched: Scheduler) -> None:
         """Replace the executor if a worker died and the budget allows, else fail the engine and raise."""
@@ -253,7 +268,7 @@ class AsyncEngine:
         logger.error("request %s failed: %r", req.request_id, exc)
         sched.finish(req.request_id, "error")  # a no-op where the scheduler already did
         self.metrics.on_finished("error")
-        q = self._streams.pop(req.request_id, None)
+        q = self._streams.pop(self._parents.stream_id(req.request_id), None)
         if q is not None:
             q.put_nowait(RequestFailedError(req.request_id, exc))
         return self._outputs.error_output(req)
@@ -264,8 +279,10 @@ class AsyncEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream a request's outputs. Leaving early, `aclose()` or cancellation aborts it."""
+        """Stream a request's outputs (with `n > 1`, every copy's, each with its `index`, until all have
+        finished). Leaving early, `aclose()` or cancellation aborts it."""
         rid = self.add_request(prompt, sampling_params, request_id)
+        left = sampling_params.n if sampling_params is not None else 1  # outputs with `finished` to come
         q: asyncio.Queue[_Item] = asyncio.Queue()
         self._streams[rid] = q
         if self._loop_task is None or self._loop_task.done():
@@ -278,12 +295,14 @@ class AsyncEngine:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                left -= item.finished
+                finished = left == 0
                 yield item
         finally:
             self._streams.pop(rid, None)
             if not finished:
                 self.abort(rid)
+            self._parents.forget(rid)
 
     async def _run(self) -> None:
         """The background loop: step while anyone is waiting on `generate`."""

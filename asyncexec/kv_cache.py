@@ -13,6 +13,10 @@ two different prefixes whose SHA-256 chains meet. A block whose count drops to 0
 free queue but keeps its hash, so it can still be hit; allocation takes from the head (least recently
 freed) and evicts the hash of what it takes. Requests free their blocks in reverse, so a prefix's tail is
 evicted before its head.
+
+Forking (parallel sampling, `n > 1`): once a request's prompt is computed, `fork` shares its full
+prompt blocks with each copy by reference count, whether or not prefix caching is on, so the prompt is
+prefilled once; each copy computes only the rest of its last, partial block, into a block of its own.
 """
 
 from __future__ import annotations
@@ -124,6 +128,8 @@ class KVCacheManager:
         self.hash_fn = hash_fn
         self.stats = PrefixCacheStats()
         self.reqs: dict[str, _ReqBlocks] = {}
+        # Requests that must compute every prompt position (prompt logprobs): never served from cache.
+        self.no_prefix_lookup: set[str] = set()
 
     def block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.reqs[req_id].blocks] if req_id in self.reqs else []
@@ -146,7 +152,7 @@ class KVCacheManager:
         """
         state = self.reqs.setdefault(req_id, _ReqBlocks())
         assert not state.blocks, "prefix lookup happens before a request holds blocks"
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or req_id in self.no_prefix_lookup:
             return 0
         hits: list[_Block] = []
         bs = self.block_size
@@ -200,6 +206,21 @@ class KVCacheManager:
                 block.token_ids = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
                 self.pool.cached[hashes[i]] = block
         state.num_cached = max(state.num_cached, full)
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> int:
+        """Share the parent's blocks that hold its first `num_tokens` tokens (whole blocks only) with
+        `child_id` (reference count +1 each), so the child need not compute them; returns how many
+        tokens they hold. The child writes only past them, into blocks of its own: no copy-on-write."""
+        src = self.reqs.get(parent_id)
+        assert child_id not in self.reqs, "a request is forked into before it holds blocks"
+        if src is None:
+            return 0
+        n = min(num_tokens // self.block_size, len(src.blocks))
+        shared = src.blocks[:n]
+        for block in shared:
+            self.pool.touch(block)
+        self.reqs[child_id] = _ReqBlocks(list(shared), src.hashes[:n], min(src.num_cached, n))
+        return n * self.block_size
 
     def free(self, req_id: str) -> None:
         state = self.reqs.pop(req_id, None)

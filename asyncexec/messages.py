@@ -29,6 +29,7 @@ __all__ = [
     "Logprobs",
     "ModelRunnerOutput",
     "NewRequestData",
+    "PromptLogprobs",
     "RPCReply",
     "RPCReplyFrame",
     "RPCRequest",
@@ -51,13 +52,19 @@ class _Wire(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=Tru
 
 
 class NewRequestData(_Wire):
-    """A request scheduled for the first time (or again after preemption): sent in full, once."""
+    """A request scheduled for the first time (or again after preemption): sent in full, once.
+
+    `prompt_token_ids` is every token so far (a request sent again after the workers were replaced
+    carries its output too); `num_prompt_tokens` says where its real prompt ends, which penalties and
+    prompt logprobs need (-1: all of them).
+    """
 
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    num_prompt_tokens: int = -1
 
 
 class CachedRequestData(_Wire):
@@ -102,12 +109,25 @@ class Logprobs(_Wire):
     sampled_token_ranks: list[int]
 
 
+class PromptLogprobs(_Wire):
+    """One request's prompt logprobs from one prefill chunk: entry `i` scores the prompt token at
+    position `start + i` (its logprob, then the top-k's), from the logits of the row before it. A
+    chunked prefill sends consecutive pieces over several steps; full-vocabulary rows never travel."""
+
+    start: int
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
 class ModelRunnerOutput(_Wire):
-    """What a step produced, one entry per scheduled request in `req_ids` order."""
+    """What a step produced, one entry per scheduled request in `req_ids` order (`prompt_logprobs` only
+    for the requests that asked and were prefilled in this step)."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: Logprobs | None = None
+    prompt_logprobs: dict[str, PromptLogprobs] = msgspec.field(default_factory=dict)
 
 
 # ----- control plane: executor <-> worker -----------------------------------------------------------

@@ -6,19 +6,22 @@ vLLM V1 calls these the `Processor` and the `OutputProcessor`; both run on the e
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import msgspec
 
 from asyncexec.config import EngineConfig
-from asyncexec.detokenizer import IncrementalDetokenizer
+from asyncexec.detokenizer import RequestDetokenizer
 from asyncexec.errors import InvalidRequestError
 from asyncexec.outputs import RequestOutput
+from asyncexec.request import Request
 from asyncexec.sampling_params import SamplingParams
-from asyncexec.scheduler import Request
 
 __all__ = ["InputProcessor", "OutputProcessor", "load_tokenizer"]
 
 logger = logging.getLogger(__name__)
+_V = TypeVar("_V")
 
 
 class InputProcessor:
@@ -29,19 +32,50 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len: int = model_info["max_model_len"]
         self.vocab_size: int = model_info["vocab_size"]
+        self.eos_token_ids: list[int] = list(model_info.get("eos_token_ids", []))
         self.num_blocks = num_blocks
 
     def sampling_params(self, sp: SamplingParams | None) -> SamplingParams:
-        """`sp` (default: `SamplingParams()`), checked against what this engine can return."""
+        """`sp` (default: `SamplingParams()`), checked against what this engine can return, with the
+        fields the workers need filled in: `all_stop_token_ids` and `bad_words_token_ids`."""
         sp = SamplingParams() if sp is None else sp
         if not isinstance(sp, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
-        if sp.logprobs is not None and sp.logprobs > min(self.config.max_logprobs, self.vocab_size):
+        cap = min(self.config.max_logprobs, self.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(sp, name)
+            if value is not None and value > cap:
+                raise InvalidRequestError(
+                    f"{name}: at most max_logprobs={self.config.max_logprobs} (and the vocabulary's "
+                    f"{self.vocab_size}), got {value}"
+                )
+        out_of_vocab = [t for t in sp.logit_bias or {} if t >= self.vocab_size]
+        if out_of_vocab:
             raise InvalidRequestError(
-                f"logprobs: at most max_logprobs={self.config.max_logprobs} (and the vocabulary's "
-                f"{self.vocab_size}), got {sp.logprobs}"
+                f"logit_bias: token ids must be below the vocabulary's {self.vocab_size}, "
+                f"got {out_of_vocab[:5]}"
             )
-        return sp
+        if self.tokenizer is None and (sp.stop_strings or sp.bad_words):
+            field_name = "stop" if sp.stop_strings else "bad_words"
+            raise InvalidRequestError(f"{field_name}: strings need a tokenizer in the model folder")
+        eos = [] if sp.ignore_eos else self.eos_token_ids
+        return msgspec.structs.replace(
+            sp,
+            all_stop_token_ids=sorted({*sp.stop_token_ids, *eos}),
+            bad_words_token_ids=self._bad_words_token_ids(sp.bad_words),
+        )
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's tokenization of bad words: each word alone, and after a space where that makes a
+        different token sequence of the same length (a word inside a text, not at its start)."""
+        out: list[list[int]] = []
+        for word in words:
+            plain = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            out += [plain] if plain else []
+            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        return out
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         max_len, vocab = self.max_model_len, self.vocab_size
@@ -76,23 +110,33 @@ class InputProcessor:
 
 
 class OutputProcessor:
-    """Builds each step's `RequestOutput`s, detokenizing incrementally per request."""
+    """Builds each step's `RequestOutput`s, detokenizing incrementally per request and finding stop
+    strings: a request whose text reaches one is finished with "stop" through `finish` (the scheduler's,
+    which frees its blocks) in the step that found it."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, finish: Callable[[str, str], object] | None = None) -> None:
         self.tokenizer = tokenizer
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._finish = finish
+        self._detok: dict[str, RequestDetokenizer] = {}
 
     def make_output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+        sp = req.sampling_params
         text = None
         if self.tokenizer is not None:
             detok = self._detok.get(req.request_id)
             if detok is None:
-                detok = self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer)
-            detok.update(req.output_token_ids)
+                detok = self._detok[req.request_id] = RequestDetokenizer(
+                    self.tokenizer, [], sp.include_stop_str_in_output
+                )
+            # As in vLLM, stop strings count only once min_tokens are out.
+            detok.stop = sp.stop_strings if len(req.output_token_ids) >= sp.min_tokens else []
+            stopped_by_token = req.finish_reason == "stop"
+            stop = detok.update(req.output_token_ids, req.finish_reason is not None, stopped_by_token)
+            if stop is not None:
+                self._stop(req, stop)
+            text = detok.output_text(req.finish_reason is not None)
             if req.finish_reason is not None:
-                detok.flush(req.output_token_ids)
                 del self._detok[req.request_id]
-            text = detok.text
         return RequestOutput(
             req.request_id,
             req.prompt_token_ids,
@@ -101,8 +145,18 @@ class OutputProcessor:
             text,
             req.finish_reason is not None,
             req.finish_reason,  # type: ignore[arg-type]
-            list(req.logprobs) if req.sampling_params.logprobs is not None else None,
+            list(req.logprobs) if sp.logprobs is not None else None,
+            req.stop_reason,
+            cumulative_logprob=req.cumulative_logprob if sp.logprobs is not None else None,
+            prompt_logprobs=_prompt_list(req.prompt_logprobs, req, sp),
+            prompt_logprob_ranks=_prompt_list(req.prompt_logprob_ranks, req, sp),
         )
+
+    def _stop(self, req: Request, stop: str) -> None:
+        """A stop string matched: the request ends now with "stop" (over a length stop of the same step)."""
+        if req.finish_reason is None and self._finish is not None:
+            self._finish(req.request_id, "stop")
+        req.finish_reason, req.stop_reason = "stop", stop
 
     def make_outputs(
         self, progressed: list[tuple[Request, list[int]]]
@@ -128,6 +182,14 @@ class OutputProcessor:
 
     def forget(self, request_id: str) -> None:
         self._detok.pop(request_id, None)
+
+
+def _prompt_list(values: list[_V | None], req: Request, sp: SamplingParams) -> list[_V | None] | None:
+    """A per-prompt-position list when prompt logprobs were asked for (all None where nothing was scored:
+    a one-token prompt)."""
+    if sp.prompt_logprobs is None:
+        return None
+    return list(values) if values else [None] * len(req.prompt_token_ids)
 
 
 def load_tokenizer(path: str | None) -> Any:

@@ -6,69 +6,43 @@ running requests first, in order; when a running request needs a block and none 
 recently admitted running request is preempted (its blocks freed, its tokens kept; it goes back to the
 front of the queue and is recomputed later). Then waiting requests are admitted in order, after a prefix
 cache lookup, while budget, sequence slots and blocks last. A prompt longer than the remaining budget is
-prefilled in chunks over several steps.
+prefilled in chunks over several steps, and while other requests run, no prefill takes more than
+`long_prefill_token_threshold` tokens of a step.
 
 The output carries new requests in full and cached ones as deltas (new blocks and computed counts). A
 request the workers do not know (never sent, or the workers were replaced) is sent in full, with every
 token so far as its prompt.
 
-`update_from_output()` applies a step's `ModelRunnerOutput`: it appends sampled tokens, stops requests
-on a stop token (EOS unless `ignore_eos`), `max_tokens` or `max_model_len`, frees finished requests'
-blocks and returns the requests that made progress. A request whose own update raises is finished with
-"error" and returned apart; the others are not held back by it.
+`update_from_output()` applies a step's `ModelRunnerOutput`: it appends sampled tokens (and gathers
+prompt logprobs), stops requests on a stop token (EOS unless `ignore_eos`, once `min_tokens` are out),
+`max_tokens` or `max_model_len`, frees finished requests' blocks and returns the requests that made
+progress. A request whose own update raises is finished with "error" and returned apart; the others
+are not held back by it. Stop strings are found later, on the detokenized text, by the engine's
+output processor, which finishes the request through `finish()` in the same step.
+
+Parallel sampling: a request's copies (`add_request(req, copies)`) wait until its prompt is computed;
+in the step that samples its first token, `_fork` shares its prompt blocks with them, so the prompt is
+prefilled once and each copy computes at most one block of it.
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
-import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 from asyncexec.config import EngineConfig
 from asyncexec.kv_cache import KVCacheManager
 from asyncexec.messages import (
     CachedRequestData,
-    Logprobs,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     SchedulerOutput,
 )
-from asyncexec.sampling_params import SamplingParams
+from asyncexec.request import Request, RequestStatus
 
 __all__ = ["Request", "RequestStatus", "Scheduler"]
-
-
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    output_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    status: RequestStatus = RequestStatus.WAITING
-    num_computed_tokens: int = 0
-    known_to_workers: bool = False
-    finish_reason: str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-    last_token_time: float = 0.0
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 class Scheduler:
@@ -85,12 +59,21 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._step_ids = itertools.count()
         self.num_preemptions = 0
+        # Parallel sampling: the copies of a request that wait for its prompt to be computed once.
+        self.forks: dict[str, list[Request]] = {}
 
     # ----- requests ---------------------------------------------------------------------------------
 
-    def add_request(self, req: Request) -> None:
-        self.requests[req.request_id] = req
+    def add_request(self, req: Request, copies: Sequence[Request] = ()) -> None:
+        """Queue `req`; its `copies` (same prompt) wait until its prompt is computed, then share its
+        prompt blocks (see `_fork`)."""
+        for r in (req, *copies):
+            self.requests[r.request_id] = r
+            if r.sampling_params.prompt_logprobs is not None:  # every prompt position needs its logits
+                self.kv.no_prefix_lookup.add(r.request_id)
         self.waiting.append(req)
+        if copies:
+            self.forks[req.request_id] = list(copies)
 
     def finish(self, req_id: str, reason: str) -> Request | None:
         """Finish (abort, error, ...) a request wherever it is; its blocks are freed at once."""
@@ -103,8 +86,13 @@ class Scheduler:
             self.waiting.remove(req)
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         self.kv.free(req_id)
+        self.kv.no_prefix_lookup.discard(req_id)
         if req.known_to_workers:
             self._finished_ids.append(req_id)
+        for copies in self.forks.values():
+            if req in copies:
+                copies.remove(req)
+        self.waiting.extend(self.forks.pop(req_id, ()))  # never forked: they compute the prompt alone
         return req
 
     def finish_all(self, reason: str) -> list[Request]:
@@ -119,7 +107,7 @@ class Scheduler:
             req.status = RequestStatus.PREEMPTED
             self.waiting.appendleft(req)
         self.running.clear()
-        stats = self.kv.stats
+        stats, old_no_lookup = self.kv.stats, self.kv.no_prefix_lookup
         self.kv = KVCacheManager(
             self.kv.pool.num_usable + 1,
             self.config.block_size,
@@ -127,6 +115,7 @@ class Scheduler:
             self.kv.hash_fn,
         )
         self.kv.stats = stats
+        self.kv.no_prefix_lookup = {r for r in self.requests if r in old_no_lookup}
         for req in self.waiting:
             req.num_computed_tokens = 0
             req.known_to_workers = False
@@ -165,7 +154,7 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0 or req.status is not RequestStatus.RUNNING:
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._cap_prefill(req, min(req.num_tokens - req.num_computed_tokens, budget))
             while (new_blocks := self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -181,7 +170,7 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_computed_tokens == 0:
                 req.num_computed_tokens = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._cap_prefill(req, min(req.num_tokens - req.num_computed_tokens, budget))
             new_blocks = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)
             if new_blocks is None:  # give the prefix hits back; look again next step
                 self.kv.free(req.request_id)
@@ -212,6 +201,14 @@ class Scheduler:
             preempted,
         )
 
+    def _cap_prefill(self, req: Request, n: int) -> int:
+        """A long prefill takes at most `long_prefill_token_threshold` tokens of a step while other
+        requests run, so their streams keep a steady gap (vLLM's cap); alone, it takes the budget."""
+        cap = self.config.long_prefill_token_threshold
+        if cap and n > cap and any(r is not req for r in self.running):
+            return cap
+        return n
+
     def _emit(
         self,
         req: Request,
@@ -225,7 +222,12 @@ class Scheduler:
             blocks = self.kv.block_ids(req.request_id)
             new_reqs.append(
                 NewRequestData(
-                    req.request_id, req.all_token_ids, req.sampling_params, blocks, req.num_computed_tokens
+                    req.request_id,
+                    req.all_token_ids,
+                    req.sampling_params,
+                    blocks,
+                    req.num_computed_tokens,
+                    len(req.prompt_token_ids),
                 )
             )
             req.known_to_workers = True
@@ -257,38 +259,61 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             try:
-                if self._update_request(req, so.num_scheduled_tokens[rid], toks, out.logprobs, i):
-                    progressed.append((req, toks))
+                plp = out.prompt_logprobs.get(rid)
+                new = self._update_request(req, so.num_scheduled_tokens[rid], toks, out, i, plp)
+                if new is not None:
+                    progressed.append((req, new))
             except Exception as e:
                 self.finish(rid, "error")
                 failed.append((req, e))
         return progressed, failed
 
     def _update_request(
-        self, req: Request, num_scheduled: int, toks: list[int], logprobs: Logprobs | None, row: int
-    ) -> bool:
-        """Apply one request's share of a step; whether it produced tokens."""
+        self,
+        req: Request,
+        num_scheduled: int,
+        toks: list[int],
+        out: ModelRunnerOutput,
+        row: int,
+        plp: PromptLogprobs | None,
+    ) -> list[int] | None:
+        """Apply one request's share of a step; the tokens it produced, or None if it produced none."""
         rid = req.request_id
         req.num_computed_tokens += num_scheduled
         if self.kv.has_uncached_full_blocks(rid, req.num_computed_tokens):  # once per block, not per token
             self.kv.cache_full_blocks(rid, req.all_token_ids, req.num_computed_tokens)
+        if plp is not None:
+            req.add_prompt_logprobs(plp)
         if not toks:
-            return False
-        req.output_token_ids.extend(toks)
-        if logprobs is not None and req.sampling_params.logprobs is not None:
-            n = req.sampling_params.logprobs + 1
-            req.logprobs.append(
-                dict(zip(logprobs.token_ids[row][:n], logprobs.logprobs[row][:n], strict=True))
-            )
+            return None
+        if rid in self.forks:  # its prompt is computed: the copies share it before it can finish
+            self._fork(req)
+        if req.sampling_params.max_tokens == 0:  # scoring only: the prompt logprobs were the point
+            self.finish(rid, "length")
+            return []
+        req.append_output(toks, out.logprobs, row)
         reason = self._stop_reason(req, toks[-1])
         if reason is not None:
             self.finish(rid, reason)
-        return True
+        return toks
+
+    def _fork(self, parent: Request) -> None:
+        """Give each waiting copy of `parent` its prompt blocks (all but the block holding the last
+        prompt token, whose logits each copy computes itself) and queue it first."""
+        shared = len(parent.prompt_token_ids) - 1
+        copies = self.forks.pop(parent.request_id)
+        for c in copies:
+            c.num_computed_tokens = self.kv.fork(parent.request_id, c.request_id, shared)
+        self.waiting.extendleft(reversed(copies))
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         sp = req.sampling_params
-        if token in sp.stop_token_ids or (token in self.eos_token_ids and not sp.ignore_eos):
-            return "stop"
+        if len(req.output_token_ids) >= sp.min_tokens:
+            if token in sp.stop_token_ids:
+                req.stop_reason = token  # vLLM names the stop token; EOS has no stop_reason
+                return "stop"
+            if token in self.eos_token_ids and not sp.ignore_eos:
+                return "stop"
         if len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None

@@ -1,87 +1,47 @@
 """Benchmark AsyncEngine against transformers on one workload, each peer in its own process.
 
-Workload: 64 greedy requests on the real model (default: the built-in smollm2), prompts of 16-384 tokens
-cut from English text, outputs of 16-128 tokens (EOS ignored, so every peer makes the same number of
-tokens), all submitted at once. `--quick`: 16 shorter requests on a tiny random llama.
+Workload: 64 (`--requests`) greedy requests on the real model (default: the built-in smollm2), prompts
+of 16-384 tokens cut from English text, outputs of 16-128 tokens (EOS ignored, so every peer makes the
+same number of tokens), all submitted at once. `--quick`: 16 shorter requests on a tiny random llama.
 Peers: HF `model.generate` in static padded batches of 16; transformers' `generate_batch` (its own
-continuous batching); asyncexec uni x1 and mp x1. Each peer runs in a fresh process (an engine started
+continuous batching); asyncexec uni x1 and mp x1 (graph mode, the default), and uni x1 with
+enforce_eager=True for reference. Each peer runs in a fresh process (an engine started
 after an HF model ran in the same process was measured 1.7x slower), for every `--dtype`.
 Reports output tokens/s and its ratios to both HF peers, TTFT and ITL p50/p99, engine overhead (share of
 step time that is not rank 0's model forward), and how many outputs agree token for token with HF static
 batching up to the first EOS (in bfloat16, greedy output depends on the batch: expect some to differ).
-Writes JSON. Usage: python scripts/bench_engine.py [--model NAME|DIR] [--dtype float32 bfloat16] [--quick]
+Writes JSON. Usage: python scripts/bench_engine.py [--model NAME|DIR] [--dtype float32 bfloat16]
+[--requests N] [--peers ...] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import random
-import subprocess
-import sys
-import tempfile
 import time
 from typing import Any
 
-TEXT = (
-    "The history of science is the study of the development of science and scientific knowledge, "
-    "including both the natural and social sciences. Science is a body of empirical, theoretical, and "
-    "practical knowledge about the natural world, produced by scientists who emphasize the observation, "
-    "explanation, and prediction of real-world phenomena. The earliest roots of science can be traced to "
-    "Ancient Egypt and Mesopotamia in around 3000 to 1200 BCE. Their contributions to mathematics, "
-    "astronomy, and medicine entered and shaped Greek natural philosophy of classical antiquity, whereby "
-    "formal attempts were made to provide explanations of events in the physical world based on natural "
-    "causes. After the fall of the Western Roman Empire, knowledge of Greek conceptions of the world "
-    "deteriorated in Western Europe during the early centuries of the Middle Ages, but was preserved in "
-    "the Muslim world during the Islamic Golden Age. The recovery and assimilation of Greek works and "
-    "Islamic inquiries into Western Europe from the 10th to 13th century revived natural philosophy, which "
-    "was later transformed by the Scientific Revolution that began in the 16th century as new ideas and "
-    "discoveries departed from previous Greek conceptions and traditions. The scientific method soon "
-    "played a greater role in knowledge creation and it was not until the 19th century that many of the "
-    "institutional and professional features of science began to take shape, along with the changing of "
-    "natural philosophy to natural science. "
-)
-PEERS = ["hf_static", "hf_generate_batch", "uni1", "mp1"]
+from _bench_common import TEXT as TEXT  # bench_serve.py imports it from here
+from _bench_common import Work, child_main, pct, progress, run_isolated, workload, write_json
+
+PEERS = ["hf_static", "hf_generate_batch", "uni1", "mp1", "uni1_eager"]
 TINY = os.path.join(".cache", "bench-llama")
-Work = list[tuple[list[int], int]]
-
-
-def progress(msg: str) -> None:
-    print(f"  .. {msg}", file=sys.stderr, flush=True)
-
-
-def workload(tokenizer: Any, n: int, max_prompt: int, max_out: int, seed: int = 0) -> Work:
-    """Prompts are slices of real text at random offsets (or random bytes for the tiny model)."""
-    rng = random.Random(seed)
-    ids = tokenizer.encode(TEXT * 8, add_special_tokens=False) if tokenizer is not None else None
-    work = []
-    for _ in range(n):
-        length, out = rng.randint(16, max_prompt), rng.randint(16, max_out)
-        if ids is None:
-            work.append(([rng.randrange(256) for _ in range(length)], out))
-        else:
-            at = rng.randrange(len(ids) - length)
-            work.append((ids[at : at + length], out))
-    return work
-
-
-def pct(xs: list[float], q: float) -> float:
-    return sorted(xs)[min(len(xs) - 1, int(len(xs) * q))] if xs else float("nan")
 
 
 # ----- the peers, each run in its own process by `--peer` ----------------------------------------------
 
 
-async def run_engine(model: str, dtype: str, kind: str, work: Work) -> dict[str, Any]:
+async def run_engine(model: str, dtype: str, kind: str, work: Work, eager: bool = False) -> dict[str, Any]:
     from asyncexec import AsyncEngine, EngineConfig
 
     cfg = EngineConfig(
         model=model, executor=kind, dtype=dtype, max_model_len=1024,  # type: ignore[arg-type]
-        max_num_batched_tokens=1024, max_num_seqs=64, kv_cache_memory_bytes=1 << 30,
+        max_num_batched_tokens=1024, max_num_seqs=64, kv_cache_memory_bytes=1 << 30, enforce_eager=eager,
     )  # fmt: skip
+    started = time.perf_counter()
     async with AsyncEngine(cfg) as engine:
+        start_s = time.perf_counter() - started
         await _one(engine, work[0][0][:8], 4, [], [])  # warm-up
         base = (await engine.collective_rpc("get_runner_stats"))[0]
         step_s = 0.0
@@ -109,6 +69,9 @@ async def run_engine(model: str, dtype: str, kind: str, work: Work) -> dict[str,
         "itl_p50_ms": pct(itl, 0.5) * 1e3,
         "itl_p99_ms": pct(itl, 0.99) * 1e3,
         "overhead": 1 - fwd / step_s if step_s else float("nan"),
+        "start_s": start_s,
+        "graph_steps": stats.get("graph_steps", 0) - base.get("graph_steps", 0),
+        "steps": stats["steps"] - base["steps"],
         "outputs": outs,
     }
 
@@ -166,10 +129,11 @@ def hf_generate_batch(model: Any, pad: int, work: Work) -> dict[str, Any]:
 
 
 def run_peer(peer: str, model: str, dtype: str, work: Work) -> dict[str, Any]:
-    if peer in ("uni1", "mp1"):
+    if peer in ("uni1", "mp1", "uni1_eager"):
         import uvloop
 
-        return uvloop.run(run_engine(model, dtype, peer[:-1], work))
+        kind = "mp" if peer.startswith("mp") else "uni"
+        return uvloop.run(run_engine(model, dtype, kind, work, peer.endswith("eager")))
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -192,20 +156,19 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2", help="built-in name or HF folder (default: smollm2)")
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--peers", nargs="+", default=PEERS, choices=PEERS)
+    ap.add_argument("--requests", type=int, default=64, help="number of requests (default 64)")
     ap.add_argument("--quick", action="store_true", help="16 shorter requests on a tiny random llama")
     ap.add_argument("--json", default="bench-results/bench_engine.json")
-    ap.add_argument("--peer", help=argparse.SUPPRESS)  # internal: run one peer, write its result
-    ap.add_argument("--work", help=argparse.SUPPRESS)
+    ap.add_argument("--job", help=argparse.SUPPRESS)  # internal: run one peer, write its result
     args = ap.parse_args()
-    if args.peer:
-        with open(args.work) as f:
-            job = json.load(f)
-        result = run_peer(args.peer, job["model"], job["dtype"], [(p, m) for p, m in job["work"]])
-        with open(args.work, "w") as f:
-            json.dump(result, f)
+    if args.job:
+        child_main(
+            args.job, lambda j: run_peer(j["peer"], j["model"], j["dtype"], [tuple(w) for w in j["work"]])
+        )
         return
     model, tokenizer, eos = prepare_model(args)
-    work = workload(tokenizer, 16, 128, 64) if args.quick else workload(tokenizer, 64, 384, 128)
+    n = args.requests
+    work = workload(tokenizer, min(n, 16), 128, 64) if args.quick else workload(tokenizer, n, 384, 128)
     progress(f"{len(work)} requests, {sum(len(p) for p, _ in work)} prompt and {sum(m for _, m in work)} "
              f"output tokens, model {model}")  # fmt: skip
     res: dict[str, dict[str, Any]] = {}
@@ -213,7 +176,10 @@ def main() -> None:
         res[dtype] = {}
         for peer in args.peers:
             progress(f"{dtype}: {peer} (own process)")
-            res[dtype][peer] = r = spawn_peer(peer, model, dtype, work)
+            r = run_isolated(__file__, {"peer": peer, "model": model, "dtype": dtype, "work": work})
+            r.setdefault("tok_s", float("nan"))
+            r.setdefault("outputs", [])
+            res[dtype][peer] = r
             progress(f"{dtype}: {peer}: {r['tok_s']:.1f} tok/s")
             save(res, args.json, model, len(work))  # a long run keeps what it measured if it is cut short
     report(res, eos, model, len(work))
@@ -235,20 +201,6 @@ def prepare_model(args: argparse.Namespace) -> tuple[str, Any, int | None]:
     path = resolve_model(args.model)  # converts a built-in model once, before any peer starts
     tok = AutoTokenizer.from_pretrained(path)
     return args.model, tok, tok.eos_token_id
-
-
-def spawn_peer(peer: str, model: str, dtype: str, work: Work) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"model": model, "dtype": dtype, "work": work}, f)
-    try:
-        rc = subprocess.call([sys.executable, __file__, "--peer", peer, "--work", f.name])
-        if rc != 0:
-            return {"tok_s": float("nan"), "error": f"peer process exited with status {rc}", "outputs": []}
-        with open(f.name) as r:
-            result: dict[str, Any] = json.load(r)
-        return result
-    finally:
-        os.unlink(f.name)
 
 
 def _agree(a: list[int], b: list[int], eos: int | None) -> bool:
@@ -274,20 +226,22 @@ def report(res: dict[str, dict[str, Any]], eos: int | None, model: str, n: int) 
                 cols += [f"{r['itl_p99_ms']:6.1f}", f"{r['overhead']:5.1%}"]
             else:
                 cols += [" " * 7, " " * 7, " " * 6, " " * 6, " " * 5]
-            print(" ".join([*cols, f"{agree:3d}/{len(ref)}" if ref else "    -"]))
+            extra = (
+                f" start {r['start_s']:.1f}s graph {r['graph_steps']}/{r['steps']}" if "steps" in r else ""
+            )
+            print(" ".join([*cols, f"{agree:3d}/{len(ref)}" if ref else "    -"]) + extra)
             if "error" in r:
                 print(f"  ({r['error']})")
+        if "uni1" in peers and "mp1" in peers:
+            print(f"{dtype:9s} uni1 / mp1 = {peers['uni1']['tok_s'] / peers['mp1']['tok_s']:.2f}")
 
 
 def save(res: dict[str, dict[str, Any]], path: str, model: str, n: int) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     slim = {
         d: {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in p.items()}
         for d, p in res.items()
     }
-    with open(path, "w") as f:
-        json.dump({"model": model, "requests": n, "results": slim}, f, indent=1)
-    print(f"wrote {path}", file=sys.stderr)
+    write_json(path, {"model": model, "requests": n, "results": slim})
 
 
 if __name__ == "__main__":

@@ -10,7 +10,14 @@ and by httpx. Repeated `--repeats` times, alternating; medians.
 Reports requests/s, output tokens/s, TTFT and ITL p50/p99, the CPU seconds the clients themselves
 took (they share this machine's cores with the server), the HTTP overhead (1 - aiohttp/in-process
 throughput; target <= 15%) and whether the greedy outputs agree. Writes JSON.
+`--stop` adds four stop strings that never match (the text is still scanned for them every step) and
+`--penalties` adds presence, frequency and repetition penalties (outputs stay the same length, as EOS is
+ignored); with either, every repeat runs the plain workload and then the same with those fields on the
+same server, and the throughput cost is reported per repeat. `--peers` picks the peers to run.
+`--score N` instead measures prompt-logprob scoring: N requests from `--clients` clients, each `echo` +
+`logprobs=5` + `max_tokens: 0` over a 256-token prompt; prompt tokens/s are reported.
 Usage: python scripts/bench_serve.py [--model NAME|DIR] [--dtype float32 bfloat16] [--quick] [--json PATH]
+       [--stop] [--penalties] [--peers in-process aiohttp httpx] [--score N]
 """
 
 from __future__ import annotations
@@ -48,6 +55,9 @@ FLAGS: dict[str, Any] = {
     "kv_cache_memory_bytes": 512 << 20,
 }
 Work = list[list[tuple[list[int], int]]]  # per client: (prompt, max_tokens) requests
+STOP = ["<|never|>", "QQZX", "\n\n\n\n\n", "zzzz"]
+PENALTIES = {"presence_penalty": 0.2, "frequency_penalty": 0.2, "repetition_penalty": 1.1}
+EXTRA: dict[str, Any] = {}  # --stop / --penalties: sampling fields added to every request, both peers
 
 
 def progress(msg: str) -> None:
@@ -131,7 +141,7 @@ async def in_process(work: Work, flags: dict[str, Any]) -> dict[str, Any]:
         async def one(p: list[int], m: int, lat: Latencies) -> list[int]:
             tick, toks = lat.clock(), []
             async for out in engine.generate(
-                p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, **EXTRA)
             ):
                 tick()
                 toks = out.token_ids
@@ -151,6 +161,7 @@ def _body(p: list[int], m: int) -> dict[str, Any]:
         "ignore_eos": True,
         "stream": True,
         "return_token_ids": True,
+        **EXTRA,
     }
 
 
@@ -194,6 +205,45 @@ async def over_aiohttp(url: str, work: Work) -> dict[str, Any]:
             return toks
 
         return await run_clients(one, work)
+
+
+async def score(url: str, text_ids: list[int] | None, clients: int, requests: int) -> dict[str, Any]:
+    """`requests` scoring requests (256-token prompts, echo + logprobs=5, max_tokens 0) from `clients`
+    concurrent clients; prompt tokens per second."""
+    rng = random.Random(1)
+    prompts = [
+        text_ids[(at := rng.randrange(len(text_ids) - 256)) : at + 256]
+        if text_ids
+        else [rng.randrange(256) for _ in range(256)]
+        for _ in range(requests)
+    ]
+    body = {"echo": True, "logprobs": 5, "max_tokens": 0}
+    async with aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=clients)) as c:
+
+        async def one(p: list[int]) -> int:
+            async with c.post("/v1/completions", json=dict(body, prompt=p)) as r:
+                r.raise_for_status()
+                got = await r.json()
+                assert len(got["choices"][0]["logprobs"]["token_logprobs"]) == len(p)
+                return int(got["usage"]["prompt_tokens"])
+
+        await one(prompts[0])  # warm-up
+        sem = asyncio.Semaphore(clients)
+
+        async def limited(p: list[int]) -> int:
+            async with sem:
+                return await one(p)
+
+        start = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(limited(p) for p in prompts)))
+        wall = time.perf_counter() - start
+    return {"requests": requests, "prompt_tokens": tokens, "wall_s": wall, "prompt_tok_s": tokens / wall}
+
+
+def run_peer(name: str, work: Work, flags: dict[str, Any], url: str) -> Awaitable[dict[str, Any]]:
+    if name == "in-process":
+        return in_process(work, flags)
+    return over_aiohttp(url, work) if name == "http aiohttp" else over_httpx(url, work)
 
 
 def cpu_seconds() -> float:
@@ -248,30 +298,51 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--executor", choices=["uni", "mp"], default="uni", help="both peers' executor (uni)")
     ap.add_argument("--json", default="bench-results/bench_serve.json")
+    ap.add_argument("--stop", action="store_true", help="add 4 stop strings that never match")
+    ap.add_argument("--penalties", action="store_true", help="add presence/frequency/repetition penalties")
+    ap.add_argument("--peers", nargs="+", choices=["in-process", "aiohttp", "httpx"], default=None)
+    ap.add_argument("--score", type=int, default=0, metavar="N", help="measure prompt scoring, N clients")
     args = ap.parse_args()
+    # With --stop/--penalties every repeat runs the plain workload, then the same with those fields, on
+    # one server: the pair shares the machine's state of the moment, so their ratio is the cost.
+    fields = {**({"stop": STOP} if args.stop else {}), **(PENALTIES if args.penalties else {})}
+    variants = {"plain": {}, "with " + "+".join(k for k in ("stop", "penalties") if getattr(args, k)): fields}
+    if not fields:
+        del variants[next(v for v in variants if v != "plain")]
     repeats, per_client = (1, 1) if args.quick else (args.repeats, args.per_client)
     model, text_ids = prepare_model(args)
     work = workload(text_ids, args.clients, per_client)
     results = {}
+    peers = args.peers or ["in-process", "aiohttp", "httpx"]
     for dtype in args.dtype:
         flags = dict(FLAGS, model=model, dtype=dtype, executor=args.executor)
-        runs: dict[str, list[dict[str, Any]]] = {"in-process": [], "http aiohttp": [], "http httpx": []}
         progress(f"{dtype}: starting asyncexec serve")
         server = start_server(args.port, flags)
+        url = f"http://127.0.0.1:{args.port}"
         try:
+            if args.score:
+                results[dtype] = timed(score(url, text_ids, args.clients, args.score))
+                print(f"\nmodel {model}, {dtype}: prompt scoring {results[dtype]}")
+                continue
+            names = [("" if p == "in-process" else "http ") + p for p in peers]
+            runs: dict[str, dict[str, list[dict[str, Any]]]] = {v: {n: [] for n in names} for v in variants}
             for i in range(repeats):
-                progress(f"{dtype}, repeat {i + 1}/{repeats}: in-process engine.generate")
-                runs["in-process"].append(timed(in_process(work, flags)))
-                url = f"http://127.0.0.1:{args.port}"
-                progress(f"{dtype}, repeat {i + 1}/{repeats}: {args.clients} HTTP clients (aiohttp)")
-                runs["http aiohttp"].append(timed(over_aiohttp(url, work)))
-                progress(f"{dtype}, repeat {i + 1}/{repeats}: {args.clients} HTTP clients (httpx)")
-                runs["http httpx"].append(timed(over_httpx(url, work)))
+                for v, extra in variants.items():
+                    EXTRA.clear()
+                    EXTRA.update(extra)
+                    for name in names:
+                        progress(f"{dtype}, repeat {i + 1}/{repeats}: {name}, {v}")
+                        runs[v][name].append(timed(run_peer(name, work, flags, url)))
         finally:
             server.send_signal(signal.SIGTERM)
             server.wait(60)
-        print(f"\nmodel {model}, {dtype}, {args.executor} x1")
-        results[dtype] = report(runs)
+        if not args.score:
+            results[dtype] = {}
+            for v, extra in variants.items():
+                print(f"\nmodel {model}, {dtype}, {args.executor} x1, {v}: {extra or 'no extra fields'}")
+                results[dtype][v] = report(runs[v])
+            if len(variants) == 2:
+                results[dtype]["cost"] = report_cost(runs)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"model": model, "results": results}, f, indent=1)
@@ -292,17 +363,34 @@ def prepare_model(args: argparse.Namespace) -> tuple[str, list[int] | None]:
     return args.model, tok.encode(TEXT * 4, add_special_tokens=False)
 
 
+def report_cost(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, list[float]]:
+    """Per peer and repeat, the throughput lost to the extra fields: 1 - tok/s with / tok/s plain."""
+    plain, (name_with, with_) = runs["plain"], next((v, r) for v, r in runs.items() if v != "plain")
+    cost = {
+        peer: [1 - w["tok_s"] / p["tok_s"] for p, w in zip(plain[peer], with_[peer], strict=True)]
+        for peer in plain
+    }
+    for peer, c in cost.items():
+        print(
+            f"cost of {name_with} for {peer}: median {statistics.median(c):.1%} (per repeat: "
+            + ", ".join(f"{x:.1%}" for x in c)
+            + ")"
+        )
+    return cost
+
+
 def report(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     med = {
         name: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "outputs"}
         for name, rs in runs.items()
     }
-    ref = runs["in-process"]
+    ref_name = next(iter(runs))  # in-process, unless --peers left it out
+    ref = runs[ref_name]
     agree = {
         name: all(a["outputs"] == b["outputs"] for a, b in zip(ref, rs, strict=True))
         for name, rs in runs.items()
     }
-    base = med["in-process"]["tok_s"]
+    base = med[ref_name]["tok_s"]
     print(
         f"\n{'peer':14s} {'req/s':>7s} {'tok/s':>8s} {'ratio':>6s} {'TTFT50':>7s} {'TTFT99':>7s} "
         f"{'ITL50':>6s} {'ITL99':>6s} {'cli CPU':>7s} agree   (medians of {len(ref)} runs; ms, s)"
@@ -313,7 +401,7 @@ def report(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             f"{m['ttft_p50_ms']:7.0f} {m['ttft_p99_ms']:7.0f} {m['itl_p50_ms']:6.1f} {m['itl_p99_ms']:6.1f} "
             f"{m['client_cpu_s']:7.1f} {agree[name]}"
         )
-    overhead = {name: 1 - med[name]["tok_s"] / base for name in runs if name != "in-process"}
+    overhead = {name: 1 - med[name]["tok_s"] / base for name in runs if name != ref_name}
     per_run = {
         name: [1 - h["tok_s"] / p["tok_s"] for p, h in zip(ref, runs[name], strict=True)] for name in overhead
     }

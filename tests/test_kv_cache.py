@@ -108,3 +108,19 @@ def test_a_hash_collision_is_never_a_cache_hit() -> None:
     )
     kv.free("c")
     assert kv.get_computed_blocks("a2", a) == 4, "the same prompt still hits what it really shares"
+
+
+def test_fork_shares_whole_blocks_by_reference_count_and_frees_them_last() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=BS, enable_prefix_caching=False)
+    kv.allocate_slots("p", 11)  # 3 blocks; the third holds tokens 8..10
+    assert kv.fork("p", "c1", 10) == 8 and kv.fork("p", "c2", 10) == 8, "whole blocks only"
+    shared = kv.block_ids("p")[:2]
+    assert kv.block_ids("c1") == kv.block_ids("c2") == shared
+    assert [kv.pool.blocks[b].ref_cnt for b in kv.block_ids("p")] == [3, 3, 1]
+    new = kv.allocate_slots("c1", 11)
+    assert new is not None and len(new) == 1 and new[0] not in kv.block_ids("p"), "its own last block"
+    kv.free("p")
+    kv.free("c2")
+    assert [kv.pool.blocks[b].ref_cnt for b in shared] == [1, 1] and kv.pool.num_free == 15 - 3
+    kv.free("c1")
+    assert kv.pool.num_free == kv.pool.num_usable

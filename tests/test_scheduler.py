@@ -200,3 +200,65 @@ def test_finish_frees_a_request_wherever_it_is() -> None:
     assert [r.request_id for r in sched.finish_all("error")] == ["wait"]
     assert sched.kv.pool.num_free == sched.kv.pool.num_usable and not sched.has_unfinished_requests()
     assert sched.schedule().finished_req_ids == ["run", "wait"], "queued was never sent: not named"
+
+
+def test_copies_wait_for_the_prompt_then_share_it_so_it_is_prefilled_once() -> None:
+    sched = make(max_num_batched_tokens=64)
+    prompt = list(range(30, 60))  # 30 tokens: 7 full blocks and 2 tokens
+    leader = Request("0_r", prompt, SamplingParams(temperature=1.0, seed=1, max_tokens=3))
+    copies = [
+        Request(f"{i}_r", list(prompt), SamplingParams(temperature=1.0, seed=1 + i, max_tokens=3))
+        for i in (1, 2)
+    ]
+    sched.add_request(leader, copies)
+    so, _ = step(sched)
+    assert so.num_scheduled_tokens == {"0_r": 30}, "only the leader prefills"
+    assert [r.request_id for r in sched.waiting] == ["1_r", "2_r"]
+    so, _ = step(sched)
+    new = {n.req_id: n for n in so.scheduled_new_reqs}
+    assert so.num_scheduled_tokens == {"0_r": 1, "1_r": 2, "2_r": 2}, "each copy computes 2 prompt tokens"
+    shared = sched.kv.block_ids("0_r")[:7]
+    assert new["1_r"].block_ids[:7] == new["2_r"].block_ids[:7] == shared
+    assert new["1_r"].num_computed_tokens == 28 and new["1_r"].num_prompt_tokens == 30
+    assert all(sched.kv.pool.blocks[b].ref_cnt == 3 for b in shared)
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert sched.kv.pool.num_free == sched.kv.pool.num_usable
+
+
+def test_aborting_a_leader_before_its_prefill_lets_its_copies_prefill_alone() -> None:
+    sched = make()
+    leader = Request("0_r", list(range(8)), SamplingParams(max_tokens=2))
+    copy = Request("1_r", list(range(8)), SamplingParams(max_tokens=2))
+    sched.add_request(leader, [copy])
+    sched.finish("0_r", "abort")
+    so, _ = step(sched)
+    assert so.num_scheduled_tokens == {"1_r": 8} and not sched.forks
+
+
+def test_prompt_logprobs_requests_skip_the_prefix_cache_and_max_tokens_0_only_scores() -> None:
+    sched = make()
+    add(sched, "a", 12, max_tokens=1)
+    step(sched)
+    req = add(sched, "a2", 12, max_tokens=0, prompt_logprobs=1)  # the same prompt: all of it is cached
+    so, progressed = step(sched)
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 0 and so.num_scheduled_tokens == {"a2": 12}
+    assert progressed == [(req, [])] and req.finish_reason == "length" and req.output_token_ids == []
+
+
+def test_a_long_prefill_takes_at_most_the_threshold_while_others_run() -> None:
+    sched = make(num_blocks=256, max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    add(sched, "a", 4)
+    step(sched)  # a is decoding now
+    add(sched, "b", 40)
+    so, _ = step(sched)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 8}, "b is capped: a keeps its steady gap"
+    so, _ = step(sched)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 8}
+
+
+def test_a_lone_long_prefill_takes_the_whole_budget() -> None:
+    sched = make(num_blocks=256, max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    add(sched, "b", 40)
+    so, _ = step(sched)
+    assert so.num_scheduled_tokens == {"b": 40}

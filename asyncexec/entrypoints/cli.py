@@ -99,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="origins (https://app.example.com) whose web pages may call the API: CORS headers are "
         "answered to them only (default: none, no CORS headers; * allows any)",
     )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize (401 otherwise); "
+        "/health, /metrics and /version stay open (default: the ASYNCEXEC_API_KEY environment variable, "
+        "else no key)",
+    )
     _common(p, default_level="info")
 
     p = sub.add_parser("bench", help="run the benchmark scripts (each prints a table and writes JSON)")
@@ -249,13 +257,16 @@ def _serve(ns: argparse.Namespace) -> int:
         raise UsageError(f"--shutdown-timeout must be >= 0, got {ns.shutdown_timeout}")
     if ns.max_request_bytes < 1:
         raise UsageError(f"--max-request-bytes must be >= 1, got {ns.max_request_bytes}")
-    from asyncexec.entrypoints.protocol import parse_allowed_hosts, parse_allowed_origins
+    from asyncexec.entrypoints.guards import parse_allowed_hosts, parse_allowed_origins
 
     try:
         hosts = None if ns.allowed_hosts is None else parse_allowed_hosts(ns.allowed_hosts)
         origins = [] if ns.allowed_origins is None else parse_allowed_origins(ns.allowed_origins)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    api_key = ns.api_key if ns.api_key is not None else os.environ.get("ASYNCEXEC_API_KEY") or None
+    if api_key is not None and not api_key.strip():
+        raise UsageError("--api-key must not be empty")
     config = engine_config_from_args(ns)
     # uvicorn drains on SIGTERM, then re-raises it once its own handlers are gone: exit 0 then.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
@@ -269,6 +280,7 @@ def _serve(ns: argparse.Namespace) -> int:
         max_request_bytes=ns.max_request_bytes,
         allowed_hosts=hosts,
         allowed_origins=origins,
+        api_key=api_key,
     )
     return 0
 

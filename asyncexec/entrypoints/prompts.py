@@ -29,6 +29,7 @@ __all__ = [
     "count_tokens",
     "encode_chat",
     "encode_text",
+    "off_loop_if",
     "text_pieces",
 ]
 
@@ -87,7 +88,7 @@ async def encode_text(
             raise InvalidRequestError(
                 f"prompt has {n}+ tokens, but max_model_len={max_len} leaves no room to generate"
             )
-    ids = await _off_loop_if(len(text) > INLINE_TOKENIZE_CHARS, lambda: encode(text))
+    ids = await off_loop_if(len(text) > INLINE_TOKENIZE_CHARS, lambda: encode(text))
     check_length(ids, max_len)
     return ids
 
@@ -97,7 +98,7 @@ async def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], max_len: i
     rendered to text, which is then tokenized as `encode_text` does and as the template's own
     `tokenize=True` would (`tokenizer(text, add_special_tokens=False)`)."""
     try:
-        text = await _off_loop_if(
+        text = await off_loop_if(
             sum(len(m["content"]) for m in messages) > INLINE_TOKENIZE_CHARS,
             lambda: tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
         )
@@ -110,5 +111,6 @@ async def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], max_len: i
     )
 
 
-async def _off_loop_if(cond: bool, fn: Callable[[], _T]) -> _T:
+async def off_loop_if(cond: bool, fn: Callable[[], _T]) -> _T:
+    """`fn()`, in a thread when `cond` (long work the event loop must not wait through)."""
     return await asyncio.to_thread(fn) if cond else fn()

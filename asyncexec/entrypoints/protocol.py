@@ -1,11 +1,12 @@
 """OpenAI request bodies as msgspec Structs, and the error body every failure answers with.
 
-Bodies are decoded straight into typed Structs: a wrong type names its field (`at $.max_tokens`), and
-unknown fields are ignored as OpenAI clients send many. Values are checked again by `SamplingParams`.
-
-The HTTP-level guards live here too: `read_body` caps a body's size (by its Content-Length up front, and
-by counting what arrives for chunked bodies), and `HostGuard` refuses a Host header the server does not
-answer to, so that a web page that rebinds its own DNS name to 127.0.0.1 cannot drive a local server.
+Bodies are decoded straight into typed Structs: a wrong type names its field (`at $.max_tokens`), and a
+field this server does not implement is refused with a 400 naming it (`forbid_unknown_fields`), never
+ignored. Field names are OpenAI's, and vLLM's for its extensions (`top_k`, `min_p`, `repetition_penalty`,
+`min_tokens`, `bad_words`, `stop_token_ids`, `include_stop_str_in_output`, `ignore_eos`,
+`prompt_logprobs`, `stream_options.continuous_usage_stats`); `return_token_ids` is this server's own.
+Values are checked again by `SamplingParams`. `read_body` caps a body's size (by its Content-Length up
+front, and by counting what arrives for chunked bodies).
 """
 
 from __future__ import annotations
@@ -15,10 +16,8 @@ import re
 from typing import Any, Literal
 
 import msgspec
-from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from asyncexec.errors import AsyncExecError, EngineOverloadedError, InvalidRequestError
 from asyncexec.sampling_params import SamplingParams
@@ -28,19 +27,16 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "DetokenizeRequest",
     "HTTPError",
-    "HostGuard",
+    "TokenizeRequest",
     "decode_body",
     "error_body",
     "error_response",
     "http_error",
     "json_response",
-    "loopback_hosts",
-    "parse_allowed_hosts",
-    "parse_allowed_origins",
     "read_body",
 ]
-
 logger = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
@@ -86,44 +82,75 @@ def http_error(e: Exception) -> HTTPError:
 
 class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far (with include_usage)
 
 
 class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A field this server does not implement is refused with a 400 naming it, never ignored
-    (`forbid_unknown_fields`); `user` is accepted, as it only labels the caller."""
+    """The fields both endpoints share; `user` is accepted, as it only labels the caller."""
 
     model: str | None = None
     user: str | None = None
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    n: int = 1
+    min_tokens: int = 0
+    bad_words: list[str] = msgspec.field(default_factory=list)
+    prompt_logprobs: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # an extension: each choice also carries its `token_ids`
 
     def check(self) -> None:
-        if self.n != 1:
-            raise HTTPError(400, f"n must be 1, got {self.n}", param="n")
-        if self.stop:
-            raise HTTPError(400, "stop strings are not supported; use stop_token_ids", param="stop")
+        if self.stream_options is not None and not self.stream:
+            raise HTTPError(400, "stream_options needs stream: true", param="stream_options")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return (
+            self.include_usage
+            and self.stream_options is not None
+            and self.stream_options.continuous_usage_stats
+        )
+
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None, best_of: int | None = None
+    ) -> SamplingParams:
         return SamplingParams(
-            max_tokens=max_tokens,
+            n=self.n,
+            best_of=best_of,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
             temperature=self.temperature,
-            top_k=self.top_k,
             top_p=self.top_p,
+            top_k=self.top_k,
             min_p=self.min_p,
             seed=self.seed,
+            stop=self.stop,
             stop_token_ids=self.stop_token_ids,
+            bad_words=self.bad_words,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=self.logit_bias,
         )
 
 
@@ -132,11 +159,22 @@ class CompletionRequest(_Sampling, kw_only=True):
     max_tokens: int = 16
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None
 
     def check(self) -> None:
         super().check()
-        if self.echo:
-            raise HTTPError(400, "echo is not supported", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise HTTPError(400, "max_tokens must be >= 1 (0 only with echo: true)", param="max_tokens")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise HTTPError(400, "best_of > n cannot stream: the best are known at the end", param="best_of")
+
+    def to_sampling_params(self) -> SamplingParams:
+        """vLLM's mapping: with `echo`, `logprobs` also asks for the prompt's (unless `prompt_logprobs`
+        is given); `max_tokens: 0` with `echo` scores the prompt without generating."""
+        plp = self.prompt_logprobs
+        if plp is None and self.echo and (self.logprobs is not None or self.max_tokens == 0):
+            plp = self.logprobs or 0
+        return self.sampling_params(self.max_tokens, self.logprobs, plp, self.best_of)
 
 
 class ContentPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -170,6 +208,34 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
             raise HTTPError(400, "messages must not be empty", param="messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `/tokenize`: a `prompt`, or chat `messages` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (vLLM's)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise HTTPError(400, "give exactly one of prompt and messages", param="prompt")
+        if self.add_generation_prompt and self.continue_final_message and self.messages is not None:
+            raise HTTPError(
+                400, "continue_final_message and add_generation_prompt exclude each other", param="messages"
+            )
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    tokens: list[int]
+
+    def check(self) -> None:
+        pass
 
 
 _AT = re.compile(r"at `\$\.?([^`]*)`|missing required field `([^`]*)`")
@@ -212,66 +278,3 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 def _too_large(limit: int) -> HTTPError:
     return HTTPError(413, f"the request body is larger than {limit} bytes (--max-request-bytes)")
-
-
-# ----- the Host header ----------------------------------------------------------------------------------
-
-
-def _host_name(host: str) -> str:
-    """`host` without its port, lower-cased, IPv6 in brackets: `[::1]:8000` -> `[::1]`, `A.b.` -> `a.b`."""
-    host = host.strip().lower()
-    if host.startswith("["):
-        return host[: host.find("]") + 1] if "]" in host else host
-    if host.count(":") == 1:
-        host = host.split(":", 1)[0]
-    elif ":" in host:  # a bare IPv6 address, as given to --host or --allowed-hosts
-        host = f"[{host}]"
-    return host.rstrip(".")
-
-
-def loopback_hosts(bound: str | None = None) -> list[str]:
-    """The default `allowed_hosts`: the loopback names, and the address the server binds."""
-    names = ["localhost", "127.0.0.1", "[::1]"]
-    if bound and _host_name(bound) not in names:
-        names.append(_host_name(bound))
-    return names
-
-
-def parse_allowed_hosts(value: str) -> list[str]:
-    """`--allowed-hosts`: comma-separated host names or addresses (a port is ignored), or `*`."""
-    hosts = [h.strip() for h in value.split(",") if h.strip()]
-    if not hosts:
-        raise ValueError("--allowed-hosts needs at least one host name, or *")
-    for h in hosts:
-        if "/" in h or " " in h:
-            raise ValueError(f"--allowed-hosts takes host names such as example.com, not {h!r}")
-    return hosts
-
-
-def parse_allowed_origins(value: str) -> list[str]:
-    """`--allowed-origins`: comma-separated origins such as `https://app.example.com:8443`, or `*`."""
-    origins = [o.strip().rstrip("/") for o in value.split(",") if o.strip()]
-    if not origins:
-        raise ValueError("--allowed-origins needs at least one origin, or *")
-    for o in origins:
-        if o != "*" and not re.fullmatch(r"https?://[^/\s]+", o):
-            raise ValueError(f"--allowed-origins takes origins such as https://example.com, not {o!r}")
-    return origins
-
-
-class HostGuard:
-    """ASGI middleware answering 421 to a request whose Host names none of `allowed` (`*` allows all)."""
-
-    def __init__(self, app: ASGIApp, allowed: list[str]) -> None:
-        self.app = app
-        self.allowed = frozenset(_host_name(h) for h in allowed)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and "*" not in self.allowed:
-            host = _host_name(Headers(scope=scope).get("host", ""))
-            if host not in self.allowed:
-                message = f"this server does not answer to the Host {host!r} (see --allowed-hosts)"
-                body = msgspec.json.encode(error_body(421, message, "invalid_request_error"))
-                await Response(body, 421, media_type="application/json")(scope, receive, send)
-                return
-        await self.app(scope, receive, send)

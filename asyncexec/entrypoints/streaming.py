@@ -1,4 +1,4 @@
-"""OpenAI response pieces: choices with logprobs, Server-Sent Event chunks, and client-disconnect handling.
+"""Server-Sent Event chunks, the outputs of every choice, and client-disconnect handling.
 
 A client that leaves aborts its request: `race_disconnect` cancels the wait for the engine, and
 `SSEResponse` listens for `http.disconnect` beside the stream and closes the engine's generator, whose
@@ -22,21 +22,12 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
+from asyncexec.entrypoints.choices import ChoiceFormat, usage_body
 from asyncexec.entrypoints.protocol import HTTPError, error_body
 from asyncexec.errors import AsyncExecError
 from asyncexec.outputs import RequestOutput
 
-__all__ = [
-    "ABORTED",
-    "SSEResponse",
-    "chat_choice",
-    "completion_choice",
-    "last_output",
-    "prepend",
-    "race_disconnect",
-    "sse_chunks",
-    "usage_body",
-]
+__all__ = ["ABORTED", "SSEResponse", "final_outputs", "prepend", "race_disconnect", "sse_chunks"]
 
 _T = TypeVar("_T")
 _encode = msgspec.json.Encoder().encode
@@ -45,134 +36,58 @@ ABORTED = "the request was aborted: the server is shutting down and its --shutdo
 _ABORTED_TAIL = b"data: " + _encode(error_body(503, ABORTED, "service_unavailable")) + b"\n\n" + _DONE
 
 
-def usage_body(out: RequestOutput) -> dict[str, int]:
-    p, c = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
 async def prepend(
     first: RequestOutput, rest: AsyncIterator[RequestOutput]
 ) -> AsyncGenerator[RequestOutput, None]:
-    """`first`, then the rest of its request's outputs (none when `first` is the last)."""
+    """`first`, then the rest of its request's outputs (the engine's stream ends after the last)."""
     yield first
-    if not first.finished:
-        async for out in rest:
-            yield out
+    async for out in rest:
+        yield out
 
 
-async def last_output(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> RequestOutput:
-    """The request's final output, `first` being the one already received."""
-    last = first
-    if not first.finished:
-        async for out in rest:
-            last = out
-    return last
-
-
-def _token_text(tok: Any, token_id: int) -> str:
-    return str(tok.decode([token_id])) if tok is not None else str(token_id)
-
-
-def _tail(out: RequestOutput, n: int) -> list[dict[int, float]]:
-    return out.logprobs[len(out.logprobs) - n :] if out.logprobs is not None and n else []
-
-
-def completion_choice(
-    out: RequestOutput,
-    text: str,
-    token_ids: list[int],
-    tok: Any,
-    return_ids: bool,
-    finish: str | None,
-    stream: bool = False,
-) -> dict[str, Any]:
-    """A `text_completion` choice; `token_ids`/`text` are the whole output, or a chunk's delta."""
-    logprobs = None
-    if out.logprobs is not None:
-        strings = [_token_text(tok, t) for t in token_ids]
-        offsets, at = [], len(out.text or "") - len(text)
-        for s in strings:
-            offsets.append(at)
-            at += len(s)
-        lps = _tail(out, len(token_ids))
-        logprobs = {
-            "tokens": strings,
-            "token_logprobs": [d.get(t) for d, t in zip(lps, token_ids, strict=True)],
-            "top_logprobs": [{_token_text(tok, k): v for k, v in d.items()} for d in lps],
-            "text_offset": offsets,
-        }
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    if return_ids:
-        choice["token_ids"] = token_ids
-    return choice
-
-
-def chat_choice(
-    out: RequestOutput,
-    text: str,
-    token_ids: list[int],
-    tok: Any,
-    return_ids: bool,
-    finish: str | None,
-    stream: bool = False,
-) -> dict[str, Any]:
-    """A `chat.completion` choice (`message`), or a `chat.completion.chunk` one (`delta`)."""
-    logprobs = None
-    if out.logprobs is not None:
-        content = []
-        for d, t in zip(_tail(out, len(token_ids)), token_ids, strict=True):
-            s = _token_text(tok, t)
-            top = [
-                {"token": (k_s := _token_text(tok, k)), "logprob": v, "bytes": list(k_s.encode())}
-                for k, v in d.items()
-            ]
-            content.append({"token": s, "logprob": d.get(t), "bytes": list(s.encode()), "top_logprobs": top})
-        logprobs = {"content": content}
-    key, message = (
-        ("delta", {"content": text}) if stream else ("message", {"role": "assistant", "content": text})
-    )
-    choice: dict[str, Any] = {"index": 0, key: message, "logprobs": logprobs, "finish_reason": finish}
-    if return_ids:
-        choice["token_ids"] = token_ids
-    return choice
+async def final_outputs(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    """Each choice's final output, by index, `first` being the request's output already received."""
+    last: dict[int, RequestOutput] = {}
+    async for out in prepend(first, rest):
+        last[out.index] = out
+    return [last[i] for i in sorted(last)]
 
 
 async def sse_chunks(
     outputs: AsyncIterator[RequestOutput],
     head: dict[str, Any],
-    choice: Callable[..., dict[str, Any]],
-    tok: Any,
-    return_ids: bool,
+    fmt: ChoiceFormat,
+    n: int,
     include_usage: bool,
+    continuous_usage: bool,
 ) -> AsyncGenerator[bytes, None]:
-    """`data: {chunk}` events in OpenAI's format, an optional usage chunk, then `data: [DONE]`."""
-    sent = 0
-    last: RequestOutput | None = None
+    """`data: {chunk}` events in OpenAI's format, one choice each (its `index`), an optional usage
+    chunk, then `data: [DONE]`. With `continuous_usage`, every chunk carries its choice's usage so far."""
+    sent: dict[int, int] = {}  # characters of each choice's text already sent
+    counts: dict[int, int] = {}  # tokens of each choice so far
+    prompt_tokens = 0
     prefix = b"data: " + _encode(head)[:-1] + b',"choices":['  # the head is encoded once per request
-    if head["object"] == "chat.completion.chunk":
-        first = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        yield prefix + _encode(first) + b"]}\n\n"
+    if fmt.chat:  # the role comes first, once per choice, as OpenAI streams it
+        for i in range(n):
+            first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+            yield prefix + _encode(dict(first, finish_reason=None)) + b"]}\n\n"
     try:
         async for out in outputs:
-            last = out
-            text = out.text or ""
-            c = choice(out, text[sent:], out.new_token_ids, tok, return_ids, out.finish_reason, stream=True)
-            sent = len(text)
-            yield prefix + _encode(c) + b"]}\n\n"
+            i, text = out.index, out.text or ""
+            c = fmt.choice(out, text[sent.get(i, 0) :], out.new_token_ids, stream=True, first=i not in sent)
+            sent[i], counts[i], prompt_tokens = len(text), len(out.token_ids), len(out.prompt_token_ids)
+            tail = b"]}\n\n"
+            if continuous_usage:
+                tail = b'],"usage":' + _encode(usage_body(prompt_tokens, counts[i])) + b"}\n\n"
+            yield prefix + _encode(c) + tail
     except AsyncExecError as e:  # the headers are gone: the error travels as an event
         yield (
             b"data: "
             + _encode(error_body(503, f"the engine cannot serve: {e}", "service_unavailable"))
             + b"\n\n"
         )
-    if include_usage and last is not None:
-        p, n = len(last.prompt_token_ids), len(last.token_ids)
-        usage = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+    if include_usage and counts:
+        usage = usage_body(prompt_tokens, sum(counts.values()))
         yield b"data: " + _encode(dict(head, choices=[], usage=usage)) + b"\n\n"
     yield _DONE
 

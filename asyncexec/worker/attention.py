@@ -11,10 +11,16 @@ a sequence lives in slot `block_ids[t // block_size] * block_size + t % block_si
 `[num_blocks * block_size, Hkv, D]` is written through `slot_mapping` before attending, so a chunk sees
 its own keys.
 
-Batch layout: the first `num_decodes` rows have one query token each, sorted by length, and are
-attended in groups of similar length, one padded, masked SDPA per group over its block tables (a CUDA
-graph captures a single group of static width); the remaining rows (prefill chunks) are attended one
-SDPA each, with an explicit causal mask where the chunk does not start at position 0.
+Batch layout: the first `num_decodes` rows have one query token each, sorted by length; the
+remaining rows are prefill chunks, each attended by `prefill_attention` (flash kernels, no score
+matrix). Decode rows take one of three paths:
+- `graph` (a compiled CPU decode step, `cpu_graph.py`): the whole write-and-attend is the custom op
+  `asyncexec::paged_decode_attention`, which reads K/V in place, and whose K/V caches are the
+  attention module's buffers (`k_cache`, `v_cache`), so all layers share one compiled graph;
+- `inplace_decode` (graph mode on, but an eager step: mixed or oversized batches): the same
+  compiled in-place kernel;
+- otherwise (`enforce_eager`, CUDA): in groups of similar length, one padded, masked SDPA per group
+  over its gathered blocks (a CUDA graph captures a single group of static width).
 `sliding_window` (Mistral, Qwen2) limits keys to the last W.
 """
 
@@ -25,6 +31,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from asyncexec.worker.paged_decode import attend_decode
+from asyncexec.worker.prefill_attention import prefill_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "AttentionMetadata", "register_attention"]
 
@@ -51,7 +60,10 @@ class AttentionMetadata:
     # None means one group over the whole padded table (static shapes, for CUDA graphs)
     decode_buckets: list[tuple[int, int, int]] | None = None
     profiling: bool = False
+    graph: bool = False  # a compiled decode step: the custom op, caches from the modules' buffers
+    inplace_decode: bool = False  # decode rows through the compiled in-place kernel
     seen: dict[int, tuple[int, int, torch.dtype]] = field(default_factory=dict)
+    modules: dict[int, torch.nn.Module] = field(default_factory=dict)  # each layer's attention module
     calls: int = 0
 
 
@@ -72,10 +84,13 @@ def paged_attention(
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention was called without attn_metadata")
     if kwargs.get("softcap") is not None or getattr(module, "sinks", None) is not None:
         raise NotImplementedError("attention softcapping and sinks are not supported by asyncexec yet")
+    if md.graph:  # traced: nothing here may read a per-layer Python value (it would recompile)
+        return _graph_decode(module, query, key, value, md, scaling, sliding_window)
     md.calls += 1
     layer = int(getattr(module, "layer_idx", 0))
     if md.profiling:
         md.seen[layer] = (key.shape[1], key.shape[3], key.dtype)
+        md.modules[layer] = module
         out = F.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=scaling, enable_gqa=True
         )
@@ -86,14 +101,24 @@ def paged_attention(
     k_cache.view(-1, hkv, d).index_copy_(0, md.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.view(-1, hkv, d).index_copy_(0, md.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
     parts = []
-    if md.num_decodes:
+    if md.num_decodes and md.inplace_decode:
+        tables, lens = md.decode_block_tables, md.decode_seq_lens
+        parts.append(
+            attend_decode(
+                q[: md.num_decodes], k_cache, v_cache, tables, lens, scale_of(scaling, q),
+                sliding_window or 0,
+            )
+        )  # fmt: skip
+    elif md.num_decodes:
         tables, lens = md.decode_block_tables, md.decode_seq_lens
         for s, e, width in md.decode_buckets or [(0, md.num_decodes, tables.shape[1])]:
             parts.append(
                 _decode(q[s:e], k_cache, v_cache, tables[s:e, :width], lens[s:e], scaling, sliding_window)
             )
     for (start, n, ctx), blocks in zip(md.prefills, md.prefill_block_ids, strict=True):
-        parts.append(_prefill(q[start : start + n], k_cache, v_cache, blocks, ctx, scaling, sliding_window))
+        parts.append(
+            prefill_attention(q[start : start + n], k_cache, v_cache, blocks, ctx, scaling, sliding_window)
+        )
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.unsqueeze(0), None  # [1, T, H, D]
 
@@ -131,7 +156,9 @@ def _prefill(
     scaling: float | None,
     window: int | None,
 ) -> torch.Tensor:
-    """q [n, H, D]: the last n of `ctx` positions; returns [n, H, D]."""
+    """q [n, H, D]: the last n of `ctx` positions; returns [n, H, D]. The earlier masked-SDPA prefill,
+    no longer on the step path: kept as the reference `prefill_attention` is tested and measured
+    against (it materializes `[H, n, ctx]` scores on CPU)."""
     n, hkv, d = q.shape[0], k_cache.shape[2], k_cache.shape[3]
     k = k_cache.index_select(0, block_ids).view(-1, hkv, d)[:ctx].transpose(0, 1)  # [Hkv, ctx, D]
     v = v_cache.index_select(0, block_ids).view(-1, hkv, d)[:ctx].transpose(0, 1)
@@ -146,6 +173,36 @@ def _prefill(
             mask &= qpos - kpos < window
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
     return out.transpose(0, 1)
+
+
+def _graph_decode(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    md: AttentionMetadata,
+    scaling: float | None,
+    window: int | None,
+) -> tuple[torch.Tensor, None]:
+    q = query[0].transpose(0, 1).contiguous()  # [B, H, D]; the copy fuses into the rotary kernel
+    out = torch.ops.asyncexec.paged_decode_attention(
+        q,
+        key[0].transpose(0, 1).contiguous(),
+        value[0].transpose(0, 1).contiguous(),
+        module.k_cache,
+        module.v_cache,
+        md.slot_mapping,
+        md.decode_block_tables,
+        md.decode_seq_lens,
+        float(scale_of(scaling, q)),
+        window or 0,
+    )
+    return out.unsqueeze(0), None
+
+
+def scale_of(scaling: float | None, q: torch.Tensor) -> float:
+    """SDPA's default scale where the model passes none."""
+    return scaling if scaling is not None else q.shape[-1] ** -0.5
 
 
 def register_attention() -> str:

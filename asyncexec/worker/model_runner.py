@@ -24,6 +24,7 @@ from asyncexec.errors import ConfigError
 from asyncexec.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 from asyncexec.worker.attention import AttentionMetadata, register_attention
 from asyncexec.worker.input_batch import InputBatch, PreparedBatch
+from asyncexec.worker.prompt_logprobs import PromptLogprobsRows
 from asyncexec.worker.sampler import Sampler
 
 __all__ = ["NULL_BLOCK", "ModelRunner"]
@@ -73,8 +74,10 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_spec: dict[int, tuple[int, int, torch.dtype]] = {}
         self.sampler = Sampler(config.seed)
-        self.graphs: Any = None
-        self.stats = {"steps": 0, "forward_s": 0.0, "execute_s": 0.0}
+        self.graphs: Any = None  # a CUDAGraphRunner or CPUGraphRunner once captured
+        self.inplace_decode = False  # eager decode rows use the compiled in-place kernel (CPU graph mode)
+        self.attention_modules: dict[int, torch.nn.Module] = {}
+        self.stats = {"steps": 0, "graph_steps": 0, "forward_s": 0.0, "execute_s": 0.0}
 
     # ----- loading --------------------------------------------------------------------------------
 
@@ -157,6 +160,7 @@ class ModelRunner:
                 f"{self.arch} never called the registered attention function; it cannot run here"
             )
         self.kv_spec = dict(sorted(md.seen.items()))
+        self.attention_modules = dict(sorted(md.modules.items()))
 
     def kv_cache_block_bytes(self) -> int:
         """Bytes of one block across all layers, K and V, on this rank."""
@@ -173,16 +177,21 @@ class ModelRunner:
                 f"the KV cache needs at least 2 blocks (block 0 is the null block), got {num_blocks}"
             )
         bs = self.config.block_size
-        self.kv_caches = [
+        with torch.inference_mode():  # inference tensors, like every step's (paged_decode.attend_decode)
+            self.kv_caches = self._new_kv_caches(num_blocks)
+        self.num_blocks = num_blocks
+        logger.info("allocated %d KV blocks of %d tokens (%.1f MiB)", num_blocks, bs,
+                    num_blocks * self.kv_cache_block_bytes() / 2**20)  # fmt: skip
+
+    def _new_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        bs = self.config.block_size
+        return [
             (
                 torch.zeros(num_blocks, bs, h, d, dtype=dt, device=self.device),
                 torch.zeros(num_blocks, bs, h, d, dtype=dt, device=self.device),
             )
             for h, d, dt in self.kv_spec.values()
         ]
-        self.num_blocks = num_blocks
-        logger.info("allocated %d KV blocks of %d tokens (%.1f MiB)", num_blocks, bs,
-                    num_blocks * self.kv_cache_block_bytes() / 2**20)  # fmt: skip
 
     # ----- the step -------------------------------------------------------------------------------
 
@@ -192,26 +201,39 @@ class ModelRunner:
             raise RuntimeError("the KV cache is not initialized: call initialize_kv_cache first")
         start = time.perf_counter()
         self.input_batch.update_states(so)
+        self.sampler.update_states(so)
         if not so.num_scheduled_tokens:
             return ModelRunnerOutput([], [])
         batch = self._prepare_inputs(so)
+        num_prompt = self.sampler.num_prompt_tokens
+        prompt_rows = PromptLogprobsRows.build(so, batch, self.input_batch.requests, num_prompt)
+        if prompt_rows is not None:  # their logits follow the sampling rows'
+            batch = prompt_rows.extend(batch)
         t = time.perf_counter()
         logits = self._forward(batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.stats["forward_s"] += time.perf_counter() - t
         rows = batch.sample_rows
-        states = [self.input_batch.requests[batch.req_ids[r]] for r in rows]
+        ids = [batch.req_ids[r] for r in rows]
+        states = [self.input_batch.requests[rid] for rid in ids]
         sampled, logprobs = self.sampler(
-            logits, [s.sampling_params for s in states], [len(s.token_ids) for s in states]
+            logits[: len(rows)],
+            [s.sampling_params for s in states],
+            [len(s.token_ids) for s in states],
+            [s.token_ids for s in states],
+            [num_prompt.get(rid, len(s.token_ids)) for rid, s in zip(ids, states, strict=True)],
         )
-        self.input_batch.append_sampled([batch.req_ids[r] for r in rows], sampled)
+        prompt_lps = prompt_rows.gather(logits[len(rows) :]) if prompt_rows is not None else {}
+        self.input_batch.append_sampled(ids, sampled)
         per_row: list[list[int]] = [[] for _ in batch.req_ids]
         for r, tok in zip(rows, sampled, strict=True):
             per_row[r] = [tok]
         self.stats["steps"] += 1
         self.stats["execute_s"] += time.perf_counter() - start
-        return ModelRunnerOutput(batch.req_ids, per_row, _align(logprobs, rows, len(batch.req_ids)))
+        return ModelRunnerOutput(
+            batch.req_ids, per_row, _align(logprobs, rows, len(batch.req_ids)), prompt_lps
+        )
 
     def _prepare_inputs(self, so: SchedulerOutput) -> PreparedBatch:
         return self.input_batch.prepare(so)
@@ -220,6 +242,7 @@ class ModelRunner:
         if self.graphs is not None and b.num_decodes == len(b.req_ids):
             logits: torch.Tensor | None = self.graphs.replay(b)
             if logits is not None:
+                self.stats["graph_steps"] += 1
                 return logits
         dev = self.device
         md = AttentionMetadata(
@@ -232,6 +255,7 @@ class ModelRunner:
             [blk.to(dev, non_blocking=True) for blk in b.prefill_block_ids],
             b.decode_buckets,
         )
+        md.inplace_decode = self.inplace_decode
         out = self.model(
             input_ids=b.input_ids.to(dev, non_blocking=True)[None],
             position_ids=b.positions.to(dev, non_blocking=True)[None],

@@ -1,4 +1,8 @@
-"""Sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, top-n logprobs.
+"""Sampling: logit processing (bias, min_tokens, bad words, penalties), then greedy, temperature, top-k,
+top-p, min-p, per-request seeds, and top-n logprobs.
+
+Logprobs are those of the raw logits (vLLM V1's default), so a penalty changes which token is chosen,
+not the reported distribution. Greedy rows are processed too: a penalty changes their argmax.
 
 Every rank runs the same code on the same logits, so every rank samples the same tokens. A seeded
 request draws from a generator seeded by `(seed, position)`: its tokens are the same on every rank, on
@@ -8,10 +12,13 @@ from the worker's generator, seeded from `config.seed` at start-up.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from asyncexec.messages import Logprobs
+from asyncexec.messages import Logprobs, SchedulerOutput
 from asyncexec.sampling_params import SamplingParams
+from asyncexec.worker.logits_processors import apply_logits_processors
 
 __all__ = ["Sampler"]
 
@@ -25,12 +32,37 @@ def _position_seed(seed: int, position: int) -> int:
 class Sampler:
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        # Where each request's prompt ends: its token list also holds the output (and, for a request
+        # sent again to new workers, the output so far as part of what arrived as its prompt).
+        self.num_prompt_tokens: dict[str, int] = {}
+
+    def update_states(self, so: SchedulerOutput) -> None:
+        """Track the prompt lengths of the requests this rank holds, from a step's deltas."""
+        for rid in so.finished_req_ids:
+            self.num_prompt_tokens.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            n = new.num_prompt_tokens
+            self.num_prompt_tokens[new.req_id] = (
+                n if 0 <= n <= len(new.prompt_token_ids) else len(new.prompt_token_ids)
+            )
 
     def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        positions: list[int],
+        token_ids: Sequence[Sequence[int]] | None = None,
+        num_prompt_tokens: Sequence[int] | None = None,
     ) -> tuple[list[int], Logprobs | None]:
-        """Sample one token per row of `logits [N, V]`; `positions[i]` is the index of row i's new token."""
-        logits = logits.float().cpu()
+        """Sample one token per row of `logits [N, V]`; `positions[i]` is the index of row i's new token,
+        and `token_ids[i]` its tokens so far, the first `num_prompt_tokens[i]` being the prompt (needed
+        only for rows with penalties, `min_tokens` or bad words)."""
+        raw = logits.float().cpu()
+        n = max((p.logprobs or 0 for p in params if p.logprobs is not None), default=-1)
+        if any(p.logit_bias or p.needs_history for p in params):
+            logits = apply_logits_processors(raw.clone(), params, token_ids, num_prompt_tokens)
+        else:
+            logits = raw
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
@@ -40,8 +72,7 @@ class Sampler:
                 probs, [params[i] for i in random_rows], [positions[i] for i in random_rows]
             )
         sampled = tokens.tolist()
-        n = max((p.logprobs or 0 for p in params if p.logprobs is not None), default=-1)
-        return sampled, (self._logprobs(logits, tokens, n) if n >= 0 else None)
+        return sampled, (self._logprobs(raw, tokens, n) if n >= 0 else None)
 
     @staticmethod
     def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

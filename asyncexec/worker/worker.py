@@ -130,7 +130,7 @@ class Worker:
         self._profiled_runner("allocate_kv_cache").allocate_kv_cache(num_blocks)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the KV cache, then capture CUDA graphs where they apply."""
+        """Allocate the KV cache, then capture CUDA graphs or compile CPU decode graphs."""
         self.allocate_kv_cache(num_blocks)
         self.compile_or_warm_up_model()
 
@@ -140,12 +140,18 @@ class Worker:
             from asyncexec.worker.cuda_graph import CUDAGraphRunner
 
             runner.graphs = CUDAGraphRunner.capture(runner, self.config.capture_sizes)
+        elif self.device is not None and self.device.type == "cpu" and not self.config.enforce_eager:
+            from asyncexec.worker.cpu_graph import CPUGraphRunner
+
+            runner.graphs = CPUGraphRunner.capture(runner, self.config.capture_sizes, self.rank == 0)
+            runner.inplace_decode = True
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._runner("execute_model").execute_model(scheduler_output)
 
     def get_runner_stats(self) -> dict[str, float]:
-        """Cumulative step counts and times: `forward_s` is the model forward alone."""
+        """Cumulative step counts and times: `graph_steps` replayed a captured or compiled graph,
+        `forward_s` is the model forward alone."""
         return dict(self._runner("get_runner_stats").stats)
 
     def get_model_info(self) -> dict[str, Any]:

@@ -286,7 +286,7 @@ async def test_a_request_whose_detokenizer_fails_fails_alone(
         bad = engine.generate([5, 6, 7], sp, request_id="bad")
         await bad.__anext__()  # its detokenizer exists now
 
-        def update(token_ids: list[int]) -> None:
+        def update(token_ids: list[int], *flags: bool) -> None:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
 
         monkeypatch.setattr(engine._outputs._detok["bad"], "update", update)

@@ -1,4 +1,5 @@
-"""Token-for-token equality with `model.generate(do_sample=False)` through the executor and the worker.
+"""Token-for-token equality with `model.generate(do_sample=False)` through the executor and the worker,
+in graph mode (the default: compiled decode graphs on CPU, CUDA graphs on CUDA) for uniform decode steps.
 
 Each case drives the workers with the engine's own `Scheduler` (tests/worker/driver.py) through mixed
 prompt lengths, a small token budget (chunked prefill, steps that mix prefill and decode), requests that
@@ -79,8 +80,10 @@ async def test_greedy_equals_hf_generate(
         for r in reqs:
             driver.add(r)
         got = await driver.run()
+        stats = await ex.collective_rpc("get_runner_stats")
     finally:
         await ex.shutdown()
+    assert all(s["graph_steps"] > 0 for s in stats), "graph mode (the default) never replayed"
     assert num_blocks >= 17
     assert driver.max_blocks_in_use <= 16
     assert driver.num_preemptions > 0 and driver.mixed_steps > 0 and driver.chunked > 0

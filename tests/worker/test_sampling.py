@@ -82,3 +82,87 @@ def test_a_tiny_positive_temperature_samples_greedily_not_nan() -> None:
     tokens, _ = Sampler(seed=0)(logits, params, [0, 0, 0])
     assert tokens == logits.argmax(-1).tolist()
     assert all(p.greedy for p in params) and not SamplingParams(temperature=1e-4).greedy
+
+
+def _hf_processed(logits: torch.Tensor, history: list[int], processor: object) -> torch.Tensor:
+    return processor(torch.tensor([history]), logits.clone())  # type: ignore[operator, no-any-return]
+
+
+def test_repetition_penalty_equals_hfs_processor_and_moves_the_greedy_argmax() -> None:
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from asyncexec.worker.logits_processors import apply_logits_processors
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 64) * 3
+    histories = [[1, 5, 5, 9, 40], [2, 3, 4], [63, 0, 7, 7, 7, 12]]
+    prompts = [2, 1, 4]  # the penalty covers prompt and output alike
+    params = [SamplingParams(temperature=0.0, repetition_penalty=p) for p in (1.3, 0.7, 2.0)]
+    got = apply_logits_processors(logits.clone(), params, histories, prompts)
+    for i, sp in enumerate(params):
+        ref = _hf_processed(
+            logits[i : i + 1], histories[i], RepetitionPenaltyLogitsProcessor(sp.repetition_penalty)
+        )
+        torch.testing.assert_close(got[i : i + 1], ref, rtol=0, atol=0)
+    # The sampler applies it before the argmax of a greedy row: the favourite, once seen, loses.
+    top = int(logits[0].argmax())
+    logits[0, top] = 1.0 + logits[0].topk(2).values[1]  # a narrow lead, which a 2x penalty undoes
+    (tok,), _ = Sampler(0)(
+        logits[:1], [SamplingParams(temperature=0.0, repetition_penalty=2.0)], [1], [[top]], [1]
+    )
+    assert tok != top and tok == int(
+        _hf_processed(logits[:1], [top], RepetitionPenaltyLogitsProcessor(2.0)).argmax()
+    )
+
+
+def test_presence_and_frequency_penalties_count_only_output_tokens() -> None:
+    from asyncexec.worker.logits_processors import apply_logits_processors
+
+    torch.manual_seed(1)
+    logits = torch.randn(2, 32)
+    history = [[3, 3, 4, 4, 4, 5], [8, 9, 9]]
+    num_prompt = [2, 1]  # row 0's output is [4, 4, 4, 5]; its prompt's 3s are not penalized
+    params = [
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
+        SamplingParams(presence_penalty=-1.0, frequency_penalty=1.5),
+    ]
+    got = apply_logits_processors(logits.clone(), params, history, num_prompt)
+    ref = logits.clone()
+    for i, sp in enumerate(params):
+        out = history[i][num_prompt[i] :]
+        for t in set(
+            out
+        ):  # OpenAI's definition: mu[j] - c[j] * alpha_frequency - (c[j] > 0) * alpha_presence
+            ref[i, t] -= out.count(t) * sp.frequency_penalty + sp.presence_penalty
+    torch.testing.assert_close(got, ref)
+    assert got[0, 3] == logits[0, 3]
+
+
+def test_logit_bias_is_clamped_and_min_tokens_masks_stop_tokens_until_reached() -> None:
+    from transformers import MinNewTokensLengthLogitsProcessor
+
+    from asyncexec.worker.logits_processors import apply_logits_processors
+
+    logits = torch.zeros(2, 16)
+    sp = SamplingParams(logit_bias={3: 500.0, 4: -7.5}, min_tokens=3, all_stop_token_ids=[2, 9])
+    got = apply_logits_processors(logits.clone(), [sp, sp], [[1, 1, 5], [1, 1, 5, 6, 7]], [1, 1])
+    assert got[0, 3] == got[1, 3] == 100.0 and got[0, 4] == -7.5
+    hf = MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=1, min_new_tokens=3, eos_token_id=[2, 9])
+    for row, hist in ((0, [1, 1, 5]), (1, [1, 1, 5, 6, 7])):
+        ref = _hf_processed(logits[row : row + 1], hist, hf)
+        ref[0, 3], ref[0, 4] = 100.0, -7.5
+        torch.testing.assert_close(got[row : row + 1], ref)
+    assert got[0, 2] == float("-inf") and got[1, 2] == 0.0, "two outputs are under 3, four are not"
+
+
+def test_bad_words_ban_single_tokens_always_and_a_longer_words_end_after_its_prefix() -> None:
+    from asyncexec.worker.logits_processors import apply_logits_processors
+
+    logits = torch.zeros(3, 16)
+    sp = SamplingParams(bad_words_token_ids=[[7], [3, 4, 5]])
+    hists = [[1, 3, 4], [1, 3], [3, 4, 9]]  # the prompt is [1] in rows 0 and 1, [3, 4] in row 2
+    got = apply_logits_processors(logits.clone(), [sp] * 3, hists, [1, 1, 2])
+    assert torch.isinf(got[:, 7]).all(), "a one-token bad word is always banned"
+    assert got[0, 5] == float("-inf"), "the output ends with [3, 4]: 5 would complete the word"
+    assert got[1, 5] == 0 and got[2, 5] == 0, "no prefix, or the prefix only in the prompt (vLLM's)"
+    assert int((got == float("-inf")).sum()) == 4

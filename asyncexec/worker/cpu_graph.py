@@ -150,19 +150,6 @@ class CPUGraphRunner:
                     self.capture_seconds, self.cache_dir)  # fmt: skip
         return self
 
-    def _run(self, b: int, logits_indices: torch.Tensor, width: int) -> torch.Tensor:
-        """A step on the graphs compiled at start-up. Guards then only tell the cached graphs (batch
-        1, and the rest) apart: the full set (every parameter of the layer, the metadata) cost about
-        100 us a call, 60 calls a step. Should a step still need a new graph, it is compiled, said."""
-        try:
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                return self._forward(b, logits_indices, width)
-        except RuntimeError as e:
-            if "Recompilation triggered" not in str(e):
-                raise
-        logger.warning("decode batch of %d (table width %d) needed a new graph: compiling it", b, width)
-        return self._forward(b, logits_indices, width)
-
     def _forward(self, b: int, logits_indices: torch.Tensor, width: int) -> torch.Tensor:
         md = AttentionMetadata(
             self.runner.kv_caches,
@@ -197,4 +184,4 @@ class CPUGraphRunner:
         self.slots[n:b].fill_(NULL_BLOCK * self.runner.config.block_size)
         self.seq_lens[n:b].fill_(1)
         self.block_tables[n:b].fill_(NULL_BLOCK)
-        return self._run(b, batch.logits_indices, decode_width(width * bs, bs))
+        return self._forward(b, batch.logits_indices, decode_width(width * bs, bs))

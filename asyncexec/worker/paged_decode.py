@@ -14,7 +14,8 @@ opaque node and fuses everything around it.
 
 Shapes: `q [B, H, D]`; `key`, `value [B, Hkv, D]`; caches `[num_blocks, block_size, Hkv, D]`;
 `block_tables [B, W]` (unused entries point at the null block; cut or padded to `decode_width`);
-`seq_lens [B]`, the context length of each row including its new token. `window > 0` keeps only the last `window` keys.
+`seq_lens [B]`, the context length of each row including its new token. `window > 0` keeps only the
+last `window` keys.
 """
 
 from __future__ import annotations
@@ -81,12 +82,12 @@ def attend_decode(
     own graph at start-up. Dynamo also guards on strides and on dispatch keys (which differ between
     inference and normal tensors), so every caller's inputs are made alike here: fresh contiguous
     copies of the small ones, made under inference mode, and caches allocated under it
-    (`ModelRunner.allocate_kv_cache`). The graph path runs with most guards skipped
-    (`cpu_graph.CPUGraphRunner._run`): the kernel is looked up with its full guards regardless, since
-    a variant picked for the wrong strides would read the wrong blocks.
+    (`ModelRunner.allocate_kv_cache`). (Skipping guard evaluation, `set_stance(skip_guard_eval_unsafe=
+    True)`, would save about 60 us a call, but the stance is process-global: engines in other threads
+    would compile under it, and a kernel variant picked for other strides reads the wrong blocks.)
     """
     width = decode_width(int(seq_lens.max()), k_cache.shape[1])
-    with torch.inference_mode(), torch.compiler.set_stance("default"):
+    with torch.inference_mode():
         q = q.clone(memory_format=torch.contiguous_format)
         tables = block_tables[:, :width].clone(memory_format=torch.contiguous_format)
         if tables.shape[1] < width:  # a batch of one-block rows: pad with the null block

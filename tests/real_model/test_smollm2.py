@@ -49,14 +49,17 @@ async def final(engine: AsyncEngine, prompt: str | list[int], sp: SamplingParams
     return last
 
 
-@pytest.mark.parametrize("kind", ["uni", "mp"])
+@pytest.mark.parametrize(("kind", "eager"), [("uni", False), ("mp", False), ("uni", True)])
 async def test_greedy_equals_hf_generate_token_for_token_on_real_text(
-    kind: ExecutorKind, smollm2_tokenizer: Any, smollm2_hf: Any
+    kind: ExecutorKind, eager: bool, smollm2_tokenizer: Any, smollm2_hf: Any
 ) -> None:
+    """Graph mode (compiled decode layers, in-place decode attention) and the eager path alike."""
     prompts = [smollm2_tokenizer.encode(p) for p in PROMPTS]
     sp = SamplingParams(temperature=0.0, max_tokens=24)
-    async with AsyncEngine(real_config(kind)) as engine:
+    async with AsyncEngine(real_config(kind, enforce_eager=eager)) as engine:
         outs = await asyncio.gather(*(final(engine, p, sp) for p in prompts))
+        stats = (await engine.collective_rpc("get_runner_stats"))[0]
+    assert (stats["graph_steps"] > 0) is not eager, stats
     refs = [hf_greedy_ids(smollm2_hf, p, 24) for p in prompts]
     for prompt, out, ref in zip(PROMPTS, outs, refs, strict=True):
         assert out.token_ids == ref, (

@@ -34,7 +34,7 @@ import torch
 
 from asyncexec.errors import ConfigError
 from asyncexec.worker.attention import AttentionMetadata
-from asyncexec.worker.paged_decode import decode_width
+from asyncexec.worker.paged_decode import decode_width, fresh_function
 
 if TYPE_CHECKING:
     from asyncexec.worker.input_batch import PreparedBatch
@@ -125,7 +125,7 @@ class CPUGraphRunner:
             self.padded[n] = min(s for s in sizes if s >= n)
         self.capture_seconds = 0.0
         self.cache_dir = compile_cache_dir()
-        self.compiled = torch.compile(_layer_forward)
+        self.compiled = torch.compile(fresh_function(_layer_forward))  # a graph cache of its own
         attention = [runner.attention_modules[i] for i in sorted(runner.attention_modules)]
         for module, (k, v) in zip(attention, runner.kv_caches, strict=True):
             module.register_buffer("k_cache", k, persistent=False)

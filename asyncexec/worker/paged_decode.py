@@ -20,6 +20,7 @@ last `window` keys.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch
 
 __all__ = ["attend_decode", "decode_kernel", "decode_width", "paged_decode_attention"]
 
-_compiled: Callable[..., torch.Tensor] | None = None
+_compiled: dict[tuple[object, ...], Callable[..., torch.Tensor]] = {}
 
 
 def decode_kernel(
@@ -58,11 +59,20 @@ def decode_kernel(
     return out.reshape(b, hkv * g, d).to(q.dtype)
 
 
-def _compiled_kernel() -> Callable[..., torch.Tensor]:
-    global _compiled
-    if _compiled is None:
-        _compiled = torch.compile(decode_kernel, fullgraph=True)
-    return _compiled
+def fresh_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of `fn` with its own code object. Dynamo caches compiled graphs per code object, at
+    most `recompile_limit` (8) of them: one copy per model shape keeps engines of different models in
+    one process from sharing, and exhausting, that budget."""
+    code = fn.__code__.replace(co_name=fn.__code__.co_name)
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def _compiled_kernel(q: torch.Tensor, k_cache: torch.Tensor, window: int) -> Callable[..., torch.Tensor]:
+    key = (q.dtype, q.device, q.shape[1], *k_cache.shape[1:], k_cache.dtype, window > 0)
+    kernel = _compiled.get(key)
+    if kernel is None:
+        kernel = _compiled[key] = torch.compile(fresh_function(decode_kernel), fullgraph=True)
+    return kernel
 
 
 def attend_decode(
@@ -96,7 +106,8 @@ def attend_decode(
         for t in (q, tables, seq_lens):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(tables, 1)
-        return _compiled_kernel()(q, k_cache, v_cache, tables, seq_lens, scale, window)
+        kernel = _compiled_kernel(q, k_cache, window)
+        return kernel(q, k_cache, v_cache, tables, seq_lens, scale, window)
 
 
 def decode_width(max_seq_len: int, block_size: int) -> int:

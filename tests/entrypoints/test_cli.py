@@ -174,7 +174,8 @@ def test_sigterm_during_generate_shuts_the_engine_down(tiny_models: dict[str, Pa
     while any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers):
         assert time.monotonic() < deadline, "workers outlived the CLI"
         time.sleep(0.05)
-    assert asyncexec_segments() == before
+    # nothing new; a SIGKILLed earlier process's segment may have been swept by this engine's start
+    assert asyncexec_segments() <= before
 
 
 def test_generate_and_serve_default_to_the_built_in_model() -> None:

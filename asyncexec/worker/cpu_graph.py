@@ -34,6 +34,7 @@ import torch
 
 from asyncexec.errors import ConfigError
 from asyncexec.worker.attention import AttentionMetadata
+from asyncexec.worker.model_runner import NULL_BLOCK
 from asyncexec.worker.paged_decode import decode_width, fresh_function
 
 if TYPE_CHECKING:
@@ -43,8 +44,6 @@ if TYPE_CHECKING:
 __all__ = ["CPUGraphRunner", "compile_cache_dir", "decoder_layers"]
 
 logger = logging.getLogger(__name__)
-
-NULL_BLOCK = 0  # block 0 is never handed out (model_runner.NULL_BLOCK)
 
 
 def compile_cache_dir() -> str:

@@ -178,20 +178,16 @@ class ModelRunner:
             )
         bs = self.config.block_size
         with torch.inference_mode():  # inference tensors, like every step's (paged_decode.attend_decode)
-            self.kv_caches = self._new_kv_caches(num_blocks)
+            self.kv_caches = [
+                (
+                    torch.zeros(num_blocks, bs, h, d, dtype=dt, device=self.device),
+                    torch.zeros(num_blocks, bs, h, d, dtype=dt, device=self.device),
+                )
+                for h, d, dt in self.kv_spec.values()
+            ]
         self.num_blocks = num_blocks
         logger.info("allocated %d KV blocks of %d tokens (%.1f MiB)", num_blocks, bs,
                     num_blocks * self.kv_cache_block_bytes() / 2**20)  # fmt: skip
-
-    def _new_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        bs = self.config.block_size
-        return [
-            (
-                torch.zeros(num_blocks, bs, h, d, dtype=dt, device=self.device),
-                torch.zeros(num_blocks, bs, h, d, dtype=dt, device=self.device),
-            )
-            for h, d, dt in self.kv_spec.values()
-        ]
 
     # ----- the step -------------------------------------------------------------------------------
 

@@ -20,11 +20,13 @@ __all__ = ["DeviceKind", "EngineConfig", "ExecutorKind"]
 ExecutorKind = Literal["uni", "mp", "ray"]
 DeviceKind = Literal["auto", "cpu", "cuda"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+QuantizationName = Literal["int8"]
 RayPlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 _EXECUTORS = ("uni", "mp", "ray")
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_QUANTIZATIONS = ("int8",)
 _EXTENSION_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 MiB = 1 << 20
 
@@ -62,6 +64,9 @@ class EngineConfig:
         kv_cache_memory_bytes: the KV cache's size per rank; None sizes it from memory (see
             `Worker.determine_available_memory`).
         gpu_memory_utilization: on CUDA, the share of the device's memory the rank may use in total.
+        quantization: "int8" quantizes every linear layer's weights to int8 at load, per output channel
+            (`asyncexec.worker.quantization`; CPU only, dtype bfloat16 or float32); None keeps them in
+            `dtype`. Its speed comes from graph mode: see the README.
         enforce_eager: run every step eager: no CUDA graphs, and on CPU no compiled decode graphs
             (`asyncexec.worker.cpu_graph`) or in-place decode kernel.
         cudagraph_capture_sizes: the decode batch sizes of graph mode (CUDA graphs, or compiled CPU
@@ -100,6 +105,7 @@ class EngineConfig:
     long_prefill_token_threshold: int = 512
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    quantization: QuantizationName | None = None
     enforce_eager: bool = False
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     seed: int = 0
@@ -136,6 +142,10 @@ class EngineConfig:
         _check_positive("worker_start_timeout_s", self.worker_start_timeout_s)
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in _QUANTIZATIONS:
+            raise ConfigError(
+                f"quantization={self.quantization!r} is not supported; supported: {_QUANTIZATIONS} or None"
+            )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("seed", "max_worker_restarts", "max_logprobs", "long_prefill_token_threshold"):

@@ -10,8 +10,13 @@ after an HF model ran in the same process was measured 1.7x slower), for every `
 Reports output tokens/s and its ratios to both HF peers, TTFT and ITL p50/p99, engine overhead (share of
 step time that is not rank 0's model forward), and how many outputs agree token for token with HF static
 batching up to the first EOS (in bfloat16, greedy output depends on the batch: expect some to differ).
+`--quantization int8` runs the asyncexec peers with int8 weights (the HF peers stay in dtype).
+`--breakdown`: also the per-step breakdown of a decode step (GEMM, attention, everything else) at 8
+and 32 sequences, eager and graph mode, for each `--dtype` (`bench_graph.py --what breakdown`).
+`--single-stream`: the lone-stream benchmark instead (see `_bench_single.py`): the matmul floor, a lone
+stream's gap, TTFT and per-step breakdown for bf16 eager, bf16 graph and int8, and 32-stream throughput.
 Writes JSON. Usage: python scripts/bench_engine.py [--model NAME|DIR] [--dtype float32 bfloat16]
-[--requests N] [--peers ...] [--quick]
+[--requests N] [--peers ...] [--quantization int8] [--quick] | --single-stream [--streams N]
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -32,12 +39,15 @@ TINY = os.path.join(".cache", "bench-llama")
 # ----- the peers, each run in its own process by `--peer` ----------------------------------------------
 
 
-async def run_engine(model: str, dtype: str, kind: str, work: Work, eager: bool = False) -> dict[str, Any]:
+async def run_engine(
+    model: str, dtype: str, kind: str, work: Work, eager: bool = False, quantization: str | None = None
+) -> dict[str, Any]:
     from asyncexec import AsyncEngine, EngineConfig
 
     cfg = EngineConfig(
         model=model, executor=kind, dtype=dtype, max_model_len=1024,  # type: ignore[arg-type]
         max_num_batched_tokens=1024, max_num_seqs=64, kv_cache_memory_bytes=1 << 30, enforce_eager=eager,
+        quantization=quantization,  # type: ignore[arg-type]
     )  # fmt: skip
     started = time.perf_counter()
     async with AsyncEngine(cfg) as engine:
@@ -128,12 +138,14 @@ def hf_generate_batch(model: Any, pad: int, work: Work) -> dict[str, Any]:
     return {"tok_s": sum(len(o) for o in outs) / wall, "outputs": outs}
 
 
-def run_peer(peer: str, model: str, dtype: str, work: Work) -> dict[str, Any]:
+def run_peer(
+    peer: str, model: str, dtype: str, work: Work, quantization: str | None = None
+) -> dict[str, Any]:
     if peer in ("uni1", "mp1", "uni1_eager"):
         import uvloop
 
         kind = "mp" if peer.startswith("mp") else "uni"
-        return uvloop.run(run_engine(model, dtype, kind, work, peer.endswith("eager")))
+        return uvloop.run(run_engine(model, dtype, kind, work, peer.endswith("eager"), quantization))
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -158,15 +170,20 @@ def main() -> None:
     ap.add_argument("--peers", nargs="+", default=PEERS, choices=PEERS)
     ap.add_argument("--requests", type=int, default=64, help="number of requests (default 64)")
     ap.add_argument("--quick", action="store_true", help="16 shorter requests on a tiny random llama")
-    ap.add_argument("--json", default="bench-results/bench_engine.json")
+    ap.add_argument("--quantization", choices=["int8"], help="the asyncexec peers' weights (HF peers: dtype)")
+    ap.add_argument("--breakdown", action="store_true", help="also the per-step breakdown (bench_graph)")
+    ap.add_argument("--single-stream", action="store_true", help="the lone-stream benchmark instead")
+    ap.add_argument("--streams", type=int, default=3, help="--single-stream: lone streams per config")
+    ap.add_argument("--json", default=None, help="default bench-results/bench_engine[_single].json")
     ap.add_argument("--job", help=argparse.SUPPRESS)  # internal: run one peer, write its result
     args = ap.parse_args()
     if args.job:
-        child_main(
-            args.job, lambda j: run_peer(j["peer"], j["model"], j["dtype"], [tuple(w) for w in j["work"]])
-        )
+        child_main(args.job, _child)
         return
     model, tokenizer, eos = prepare_model(args)
+    if args.single_stream:
+        return single_stream(args, model, tokenizer)
+    args.json = args.json or "bench-results/bench_engine.json"
     n = args.requests
     work = workload(tokenizer, min(n, 16), 128, 64) if args.quick else workload(tokenizer, n, 384, 128)
     progress(f"{len(work)} requests, {sum(len(p) for p, _ in work)} prompt and {sum(m for _, m in work)} "
@@ -176,7 +193,8 @@ def main() -> None:
         res[dtype] = {}
         for peer in args.peers:
             progress(f"{dtype}: {peer} (own process)")
-            r = run_isolated(__file__, {"peer": peer, "model": model, "dtype": dtype, "work": work})
+            job = {"peer": peer, "model": model, "dtype": dtype, "work": work}
+            r = run_isolated(__file__, {**job, "quantization": args.quantization})
             r.setdefault("tok_s", float("nan"))
             r.setdefault("outputs", [])
             res[dtype][peer] = r
@@ -184,6 +202,50 @@ def main() -> None:
             save(res, args.json, model, len(work))  # a long run keeps what it measured if it is cut short
     report(res, eos, model, len(work))
     save(res, args.json, model, len(work))
+    if args.breakdown:  # its own processes too; prints its table after this one
+        graph = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_graph.py")
+        cmd = [sys.executable, graph, "--what", "breakdown", "--model", args.model, "--dtype", *args.dtype]
+        subprocess.run(cmd, check=False)
+
+
+def _child(j: dict[str, Any]) -> dict[str, Any]:
+    if "single" in j:
+        return _single_child(j)
+    return run_peer(j["peer"], j["model"], j["dtype"], [tuple(w) for w in j["work"]], j.get("quantization"))
+
+
+def _single_child(j: dict[str, Any]) -> dict[str, Any]:
+    import _bench_single as single
+    import uvloop
+
+    from asyncexec.model_registry import resolve_model
+
+    kind, cfg = j["single"], single.CONFIGS.get(j.get("config", ""), {})
+    if kind == "floor":
+        return single.matmul_floor(resolve_model(j["model"]))
+    if kind == "lone":
+        return uvloop.run(single.lone_stream(j["model"], cfg, j["streams"], 128))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model(j["model"]))
+    return uvloop.run(single.batch32(j["model"], cfg, tok))
+
+
+def single_stream(args: argparse.Namespace, model: str, tokenizer: Any) -> None:
+    import _bench_single as single
+
+    jobs = [("floor", "floor", "")] + [(f"lone:{c}", "lone", c) for c in single.CONFIGS]
+    jobs += [(f"batch32:{c}", "batch32", c) for c in ("bf16_graph", "int8_graph")]
+    res: dict[str, Any] = {}
+    path = args.json or "bench-results/bench_engine_single.json"
+    for key, kind, cfg in jobs:
+        progress(f"{key} (own process)")
+        res[key] = run_isolated(
+            __file__, {"single": kind, "config": cfg, "model": model, "streams": args.streams}
+        )
+        progress(f"{key}: {res[key]}")
+        write_json(path, {"model": model, "results": res})
+    single.report(res)
 
 
 def prepare_model(args: argparse.Namespace) -> tuple[str, Any, int | None]:

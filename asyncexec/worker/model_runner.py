@@ -25,6 +25,7 @@ from asyncexec.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 from asyncexec.worker.attention import AttentionMetadata, register_attention
 from asyncexec.worker.input_batch import InputBatch, PreparedBatch
 from asyncexec.worker.prompt_logprobs import PromptLogprobsRows
+from asyncexec.worker.quantization import check_quantization, pack_linears
 from asyncexec.worker.sampler import Sampler
 
 __all__ = ["NULL_BLOCK", "ModelRunner"]
@@ -77,7 +78,7 @@ class ModelRunner:
         self.graphs: Any = None  # a CUDAGraphRunner or CPUGraphRunner once captured
         self.inplace_decode = False  # eager decode rows use the compiled in-place kernel (CPU graph mode)
         self.attention_modules: dict[int, torch.nn.Module] = {}
-        self.stats = {"steps": 0, "graph_steps": 0, "forward_s": 0.0, "execute_s": 0.0}
+        self.stats = {"steps": 0, "graph_steps": 0, "forward_s": 0.0, "sample_s": 0.0, "execute_s": 0.0}
 
     # ----- loading --------------------------------------------------------------------------------
 
@@ -111,6 +112,7 @@ class ModelRunner:
                 f"max_model_len={self.max_model_len} exceeds {arch}'s {model_max_len(hf_config)}"
             )
         self.dtype = self._dtype(hf_config)
+        check_quantization(self.config.quantization, self.device, self.dtype)
         kwargs: dict[str, Any] = {"dtype": self.dtype, "attn_implementation": register_attention()}
         if self.world_size > 1:  # transformers' own tensor parallelism: its tp plan, our process group
             try:
@@ -123,6 +125,9 @@ class ModelRunner:
         if self.world_size == 1:
             self.model.to(self.device)
         self.model.eval()
+        if self.device.type == "cpu" and (self.config.quantization or not self.config.enforce_eager):
+            # after tensor-parallel sharding: each rank packs (and quantizes) its own shard
+            pack_linears(self.model, self.config.quantization)
         bs = self.config.block_size
         self.input_batch = InputBatch(
             self.config.max_num_batched_tokens,
@@ -209,7 +214,8 @@ class ModelRunner:
         logits = self._forward(batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.stats["forward_s"] += time.perf_counter() - t
+        t_sample = time.perf_counter()
+        self.stats["forward_s"] += t_sample - t
         rows = batch.sample_rows
         ids = [batch.req_ids[r] for r in rows]
         states = [self.input_batch.requests[rid] for rid in ids]
@@ -220,6 +226,7 @@ class ModelRunner:
             [s.token_ids for s in states],
             [num_prompt.get(rid, len(s.token_ids)) for rid, s in zip(ids, states, strict=True)],
         )
+        self.stats["sample_s"] += time.perf_counter() - t_sample
         prompt_lps = prompt_rows.gather(logits[len(rows) :]) if prompt_rows is not None else {}
         self.input_batch.append_sampled(ids, sampled)
         per_row: list[list[int]] = [[] for _ in batch.req_ids]

@@ -1,0 +1,172 @@
+"""Prepacked linear layers on CPU: oneDNN-packed bf16 weights, and opt-in int8 weight-only quantization.
+
+Both replace an `nn.Linear`'s forward by the op `asyncexec::packed_linear(x, weight, bias)`, which the
+compiled decoder layers see as one opaque call and eager forwards call directly:
+- **Prepacked bf16** (graph mode on CPU): the weight is reordered once into oneDNN's blocked layout
+  (`mkldnn._reorder_linear_weight`) instead of on every matmul, as inductor's `freezing` does for
+  constants. Our layer graph is shared by every layer, so weights are graph inputs, not constants, and
+  freezing cannot apply; the op reads the packed weight from a registry instead.
+- **int8** (`EngineConfig(quantization="int8")`): every linear, lm_head included, is quantized at load,
+  in each worker after tensor-parallel sharding: symmetric, one scale per output channel. Steps of at most
+  `INT8_MAX_ROWS` rows (a lone stream, a few streams) run PyTorch's int8 weight-pack kernel
+  (`aten._weight_int8pack_mm`), which reads half the bytes of bf16. That kernel is slower than the packed
+  bf16 GEMM from 8 rows up (2x at 32 rows, measured), so bigger steps use a packed bf16 copy of the
+  dequantized weights (the same model either way): int8 mode trades memory (int8 + bf16 weights) for
+  speed and does not save memory. Activations, the KV cache and the logits stay in bf16; int8 needs
+  dtype bfloat16 (with float32 activations the kernel is slower than packed float32 weights).
+
+The module's `weight` parameter becomes a stand-in: a stride-0 tensor of the weight's shape on a storage of
+one element (its data pointer keys the registry), so the layer graph keeps one shape per projection and
+the dense weight's memory is freed (a tied lm_head's embedding keeps its own).
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from asyncexec.errors import ConfigError
+
+__all__ = ["INT8_MAX_ROWS", "SUPPORTED_QUANTIZATION", "check_quantization", "pack_linears", "quantize_weight"]
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_QUANTIZATION = ("int8",)
+INT8_MAX_ROWS = 4
+
+
+@dataclass
+class _Packed:
+    out_features: int
+    dense: torch.Tensor | None  # oneDNN-packed, in dtype (None: int8 serves every size)
+    qweight: torch.Tensor | None = None  # int8 [N, K]
+    scales: torch.Tensor | None = None  # [N], in dtype
+
+
+_REGISTRY: dict[int, _Packed] = {}
+
+_lib = torch.library.Library("asyncexec", "FRAGMENT")  # type: ignore[no-untyped-call]
+_lib.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")  # type: ignore[no-untyped-call]
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    p = _REGISTRY[weight.data_ptr()]
+    x2 = x.reshape(-1, x.shape[-1])
+    if p.qweight is not None and (p.dense is None or x2.shape[0] <= INT8_MAX_ROWS):
+        assert p.scales is not None
+        y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), p.qweight, p.scales)
+        if bias is not None:
+            y = y + bias
+    else:
+        assert p.dense is not None
+        y = torch.ops.mkldnn._linear_pointwise(x2, p.dense, bias, "none", [], "")
+    out: torch.Tensor = y.reshape(*x.shape[:-1], p.out_features)
+    return out
+
+
+def _packed_linear_meta(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+_lib.impl("packed_linear", _packed_linear, "CPU")  # type: ignore[no-untyped-call]
+_lib.impl("packed_linear", _packed_linear_meta, "Meta")  # type: ignore[no-untyped-call]
+
+
+def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.asyncexec.packed_linear(x, self.weight, self.bias)  # type: ignore[no-any-return]
+
+
+def _install(mod: torch.nn.Linear) -> None:
+    """Make `_forward` the linear's forward. Under transformers' tensor parallelism the module's forward
+    is a wrapper that makes inputs local, hides a rowwise bias and all-reduces the output around the
+    forward it captured at load: that captured forward is replaced, so the wrapper stays."""
+    ours = types.MethodType(_forward, mod)
+    tp_forward = mod.__dict__.get("forward")
+    if tp_forward is None:
+        mod.forward = ours  # type: ignore[method-assign]
+        return
+    cells = dict(zip(tp_forward.__code__.co_freevars, tp_forward.__closure__ or (), strict=True))
+    if "original_forward" not in cells:
+        raise ConfigError(
+            f"cannot pack {type(mod).__name__}: its forward is wrapped by {tp_forward.__qualname__}, which "
+            "asyncexec does not know; use enforce_eager=True and no quantization"
+        )
+    cells["original_forward"].cell_contents = ours
+
+
+def check_quantization(method: str | None, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse, before any weight is touched, what the int8 kernel does not run on."""
+    if method is None:
+        return
+    if method not in SUPPORTED_QUANTIZATION:
+        raise ConfigError(f"quantization={method!r} is not supported; supported: {SUPPORTED_QUANTIZATION}")
+    if device.type != "cpu":
+        raise ConfigError(
+            f"quantization={method!r} runs on CPU only (PyTorch's int8 weight-pack kernel); this rank's "
+            f"device is {device.type}. Use quantization=None there."
+        )
+    if dtype != torch.bfloat16:
+        raise ConfigError(
+            f"quantization={method!r} needs dtype='bfloat16' (its kernel takes bf16 activations; with "
+            f"float32 ones it is slower than the float32 weights), got {str(dtype).removeprefix('torch.')}"
+        )
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: (q [N, K] int8, scales [N] in the weight's dtype)."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+    return q, scales.to(weight.dtype)
+
+
+def _stand_in(weight: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(1, dtype=weight.dtype, device=weight.device).expand(*weight.shape)
+
+
+@torch.no_grad()
+def pack_linears(model: torch.nn.Module, quantization: str | None, pack_dense: bool = True) -> dict[str, int]:
+    """Route every `nn.Linear` of `model` through `asyncexec::packed_linear`; returns what it did."""
+    if quantization is not None and quantization not in SUPPORTED_QUANTIZATION:
+        raise ConfigError(
+            f"quantization={quantization!r} is not supported; supported: {SUPPORTED_QUANTIZATION}"
+        )
+    stats = {"linears": 0, "bytes_before": 0, "bytes_after": 0}
+    for mod in model.modules():
+        weight = getattr(mod, "weight", None)
+        if not isinstance(mod, torch.nn.Linear) or not isinstance(weight, torch.nn.Parameter):
+            continue
+        w = weight.detach()
+        if hasattr(w, "to_local"):  # a DTensor of transformers' tensor parallelism: this rank's shard
+            w = w.to_local()
+        packed = _Packed(w.shape[0], None)
+        if quantization == "int8":
+            packed.qweight, packed.scales = quantize_weight(w)
+            dense = packed.qweight.to(w.dtype) * packed.scales[:, None]  # what int8 rows compute with
+        else:
+            dense = w
+        if pack_dense:
+            packed.dense = torch.ops.mkldnn._reorder_linear_weight(dense, 1)
+        stand_in = _stand_in(w)
+        key = stand_in.data_ptr()
+        _REGISTRY[key] = packed
+        weakref.finalize(stand_in, _REGISTRY.pop, key, None)
+        stats["linears"] += 1
+        stats["bytes_before"] += w.numel() * w.element_size()
+        stats["bytes_after"] += (w.numel() * w.element_size() if pack_dense else 0) + (
+            w.numel() + w.shape[0] * w.element_size() if quantization else 0
+        )
+        del mod.weight  # a tied lm_head only drops its reference: the embedding keeps the tensor
+        mod.register_buffer("weight", stand_in, persistent=False)
+        _install(mod)
+    if stats["linears"] == 0 and quantization is not None:
+        raise ConfigError(
+            f"quantization={quantization!r}: {type(model).__name__} has no nn.Linear to quantize"
+        )
+    logger.info("packed %d linears (quantization %s): %.1f MiB of weights -> %.1f MiB", stats["linears"],
+                quantization, stats["bytes_before"] / 2**20, stats["bytes_after"] / 2**20)  # fmt: skip
+    return stats

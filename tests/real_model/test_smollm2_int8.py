@@ -1,0 +1,87 @@
+"""int8 weight-only on the real model: it must keep the model's answers (a guard that can fail)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncexec import AsyncEngine, EngineConfig, SamplingParams
+
+SCIENCE = (
+    "The history of science is the study of the development of science and scientific knowledge, "
+    "including both the natural and social sciences. Science is a body of empirical, theoretical, and "
+    "practical knowledge about the natural world, produced by scientists who emphasize the "
+    "observation, explanation, and prediction of real-world phenomena. The earliest roots of science "
+    "can be traced to Ancient Egypt and Mesopotamia in around 3000 to 1200 BCE. Their contributions "
+    "to mathematics, astronomy, and medicine entered and shaped Greek natural philosophy of classical "
+    "antiquity, whereby formal attempts were made to provide explanations of events in the physical "
+    "world based on natural causes. After the fall of the Western Roman Empire, knowledge of Greek "
+    "conceptions of the world deteriorated in Western Europe during the early centuries of the Middle "
+    "Ages, but was preserved in the Muslim world during the Islamic Golden Age. The recovery and "
+    "assimilation of Greek works and Islamic inquiries into Western Europe from the 10th to 13th "
+    "century revived natural philosophy, which was later transformed by the Scientific Revolution "
+    "that began in the 16th century as new ideas and discoveries departed from previous Greek "
+    "conceptions and traditions. The scientific method soon played a greater role in knowledge "
+    "creation and it was not until the 19th century that many of the institutional and professional "
+    "features of science began to take shape, along with the changing of natural philosophy to "
+    "natural science. "
+)
+RIVER = (
+    "The river rises in the hills north of the town and runs south for about forty miles before it reaches "
+    "the sea. For most of its length it is slow and shallow, and in summer children wade across it at the "
+    "old ford below the mill. In the spring, when the snow melts in the hills, the water comes up quickly "
+    "and the meadows along the banks are flooded for a week or two. The town was built where the river "
+    "could be crossed, and the first bridge, made of wood, stood for nearly two hundred years until a "
+    "storm carried it away. The stone bridge that replaced it has seven arches and is still in use today. "
+    "Markets have been held beside it every Thursday since the thirteenth century, when the king granted "
+    "the town its charter. Farmers brought wool, cheese and grain, and merchants came from the coast with "
+    "salt, fish and cloth. In the nineteenth century a railway was built along the valley, and the town "
+    "grew quickly as factories opened near the station. Most of the factories have closed since then, but "
+    "the market is as busy as ever, and in summer visitors come to walk along the river and to see the "
+    "bridge, the mill and the old church on the hill above the square."
+)
+TEXT = SCIENCE + RIVER  # about 520 tokens: one position is 0.2%
+
+
+def _argmax_agreement(engine_lps: list[dict[int, float] | None], hf_logits: torch.Tensor) -> float:
+    # entry i (i >= 1) scores prompt token i given tokens < i: HF's row i - 1
+    pairs = [(max(lp, key=lp.__getitem__), int(hf_logits[i - 1].argmax())) for i, lp in enumerate(engine_lps)
+             if lp is not None]  # fmt: skip
+    return sum(a == b for a, b in pairs) / len(pairs)
+
+
+async def test_int8_keeps_the_bf16_argmax_on_real_text_and_answers_paris(
+    smollm2: Path, smollm2_tokenizer: Any
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    ids = smollm2_tokenizer.encode(TEXT)
+    assert len(ids) >= 500
+    chat = list(
+        smollm2_tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France?"}],
+            add_generation_prompt=True, tokenize=True, return_dict=False,
+        )
+    )  # fmt: skip
+    cfg = EngineConfig(
+        model="smollm2", executor="uni", dtype="bfloat16", quantization="int8", max_model_len=1024,
+        kv_cache_memory_bytes=48 << 20, cudagraph_capture_sizes=(1, 2),
+    )  # fmt: skip
+    async with AsyncEngine(cfg) as engine:
+        scored = None
+        async for out in engine.generate(ids, SamplingParams(max_tokens=0, prompt_logprobs=1)):
+            scored = out
+        answer = None
+        async for out in engine.generate(chat, SamplingParams(temperature=0.0, max_tokens=32)):
+            answer = out
+        stats = (await engine.collective_rpc("get_runner_stats"))[0]
+    assert scored is not None and scored.prompt_logprobs is not None and answer is not None
+    assert stats["graph_steps"] > 0, stats  # the answer decoded through the compiled int8 path
+    hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        logits = hf(torch.tensor([ids])).logits[0].float()
+    agreement = _argmax_agreement(scored.prompt_logprobs, logits)
+    assert agreement >= 0.95, f"int8 agrees with bf16's argmax at only {agreement:.1%} of positions"
+    assert "Paris" in (answer.text or ""), answer.text

@@ -1,0 +1,118 @@
+"""Prepacked linears and int8 weight-only quantization: the op, the per-channel scales, the engine path,
+and the refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncexec import AsyncEngine, ConfigError, EngineConfig, SamplingParams, WorkerStartupError
+from asyncexec.worker.quantization import INT8_MAX_ROWS, pack_linears, quantize_weight
+
+
+def _linear(n: int, k: int, dtype: torch.dtype) -> torch.nn.Linear:
+    gen = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(k, n, bias=True)
+    with torch.no_grad():  # rows of very different magnitudes: a per-tensor scale would lose the small ones
+        lin.weight.copy_(torch.randn(n, k, generator=gen) * torch.logspace(-2, 1, n)[:, None])
+    return lin.to(dtype)
+
+
+def test_int8_scales_are_per_output_channel() -> None:
+    w = _linear(48, 64, torch.float32).weight
+    q, scales = quantize_weight(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    assert torch.allclose(scales, w.abs().amax(1) / 127)
+    assert ((q.float() * scales[:, None]) - w).abs().le(scales[:, None] / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("rows", [1, INT8_MAX_ROWS, INT8_MAX_ROWS + 1, 37])
+def test_int8_linear_computes_with_the_dequantized_weight_at_every_size(rows: int) -> None:
+    """Small steps take the int8 kernel, bigger ones the packed copy: both are the same quantized model."""
+    lin = _linear(48, 64, torch.bfloat16)
+    with torch.no_grad():  # one large weight per row sets the scale; the rest sit near one step of it
+        lin.weight[:, 0] = 1.0
+        small = torch.randn(48, 63, generator=torch.Generator().manual_seed(2)) * 0.01
+        lin.weight[:, 1:] = small.bfloat16()
+    q, scales = quantize_weight(lin.weight)
+    dequant = q.to(torch.bfloat16) * scales[:, None]
+    x = torch.randn(1, rows, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    x[..., 0] = 0  # the output is made of the coarsely quantized weights only
+    want = torch.nn.functional.linear(x.float(), dequant.float(), lin.bias.float())
+    unquantized = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
+    pack_linears(torch.nn.Sequential(lin), "int8")
+    with torch.inference_mode():
+        got = lin(x).float()
+    assert got.shape == (1, rows, 48)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
+    assert (want - unquantized).abs().max() > 10 * (got - want).abs().max()  # it is the quantized model
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_linear_equals_the_plain_one_eager_and_compiled(dtype: torch.dtype) -> None:
+    lin = _linear(48, 64, dtype)
+    x = torch.randn(3, 64).to(dtype)
+    with torch.inference_mode():
+        want = lin(x)
+        stats = pack_linears(torch.nn.Sequential(lin), None)
+        assert stats["linears"] == 1 and tuple(lin.weight.stride()) == (0, 0)  # the dense weight is gone
+        tol = 1e-4 if dtype == torch.float32 else 1.6e-2  # float32: another summation order
+        torch.testing.assert_close(lin(x), want, rtol=tol, atol=tol)
+        torch.testing.assert_close(torch.compile(lin)(x), want, rtol=tol, atol=tol)
+
+
+def test_unknown_quantization_is_refused_with_the_supported_list() -> None:
+    with pytest.raises(ConfigError, match=r"quantization='int4'.*supported.*'int8'"):
+        EngineConfig(model="m", quantization="int4")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+async def test_int8_refuses_other_dtypes_at_start_up_naming_bfloat16(
+    tiny_models: dict[str, Path], dtype: str
+) -> None:
+    cfg = EngineConfig(model=str(tiny_models["llama"]), executor="uni", dtype=dtype, quantization="int8",  # type: ignore[arg-type]
+                       enforce_eager=True, kv_cache_memory_bytes=1 << 20)  # fmt: skip
+    with pytest.raises((ConfigError, WorkerStartupError), match="needs dtype='bfloat16'"):
+        async with AsyncEngine(cfg):
+            pass
+
+
+def _reference_logprobs(path: Path, ids: list[int]) -> torch.Tensor:
+    """HF in float32 with every linear's weight replaced by its int8 round trip: log-probs [T, V]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, torch.nn.Linear):
+                q, s = quantize_weight(mod.weight.to(torch.bfloat16))
+                mod.weight = torch.nn.Parameter(q.float() * s.float()[:, None])  # unties a tied lm_head
+        logprobs: torch.Tensor = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+        return logprobs
+
+
+@pytest.mark.parametrize(("kind", "tp", "eager"), [("uni", 1, False), ("uni", 1, True), ("mp", 2, False)])
+async def test_int8_engine_scores_like_hf_with_the_dequantized_weights(
+    tiny_models: dict[str, Path], kind: str, tp: int, eager: bool
+) -> None:
+    """Graph mode and eager, one rank and two (each rank quantizes its own shard, and both agree)."""
+    path = tiny_models["llama"]
+    ids = [(i * 37 + 11) % 250 + 3 for i in range(40)]
+    cfg = EngineConfig(
+        model=str(path), executor=kind, tensor_parallel_size=tp, dtype="bfloat16", quantization="int8",  # type: ignore[arg-type]
+        enforce_eager=eager, block_size=4, max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20,
+        cudagraph_capture_sizes=(1, 2, 4), check_rank_agreement=tp > 1,
+    )  # fmt: skip
+    sp = SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=0, ignore_eos=True)
+    async with AsyncEngine(cfg) as engine:
+        outs = [o async for o in engine.generate(ids, sp)]
+        stats = (await engine.collective_rpc("get_runner_stats"))[0]
+    assert (stats["graph_steps"] > 0) is not eager, stats
+    got = outs[-1].prompt_logprobs
+    assert got is not None
+    ref = _reference_logprobs(path, ids)
+    diffs = [abs(got[i][ids[i]] - float(ref[i - 1, ids[i]])) for i in range(1, len(ids))]  # type: ignore[index]
+    # bf16 activations against a float32 reference: close; with a per-shard scale (tp=2) a little less
+    assert max(diffs) < (0.1 if tp == 1 else 0.2), max(diffs)

@@ -113,7 +113,8 @@ ATTN = {"asyncexec::paged_decode_attention", "aten::scaled_dot_product_attention
 
 
 def is_gemm(name: str) -> bool:
-    return name in GEMM or any(k in name for k in ("mkldnn", "onednn", "mkl_linear", "_linear_pointwise"))
+    kernels = ("mkldnn", "onednn", "mkl_linear", "_linear_pointwise", "int8pack")
+    return name in GEMM or any(k in name for k in kernels)
 
 
 def classify(events: Any) -> dict[str, float]:

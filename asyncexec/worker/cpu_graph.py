@@ -154,7 +154,7 @@ class CPUGraphRunner:
             self.runner.kv_caches,
             self.slots[:b],
             b,
-            self.block_tables[:b, :width],
+            self.block_tables[:b, :width].contiguous(),  # once a step, not in each layer's kernel
             self.seq_lens[:b],
         )
         md.graph = True

@@ -83,8 +83,10 @@ def attend_decode(
     seq_lens: torch.Tensor,
     scale: float,
     window: int,
+    exact: bool = False,
 ) -> torch.Tensor:
-    """`decode_kernel`, compiled, over the table width the longest row needs.
+    """`decode_kernel`, compiled, over the table width the longest row needs (`exact`: the caller, graph
+    mode, already cut the tables to `decode_width` and made them contiguous: nothing to do per layer).
 
     Only the batch and the table width are dynamic to the compiler (the cache, head and head-size dims
     stay static, for better loops), and both are kept out of dynamo's 0/1 specialization where cheap:
@@ -96,13 +98,16 @@ def attend_decode(
     True)`, would save about 60 us a call, but the stance is process-global: engines in other threads
     would compile under it, and a kernel variant picked for other strides reads the wrong blocks.)
     """
-    width = decode_width(int(seq_lens.max()), k_cache.shape[1])
     with torch.inference_mode():
         q = q.clone(memory_format=torch.contiguous_format)
-        tables = block_tables[:, :width].clone(memory_format=torch.contiguous_format)
-        if tables.shape[1] < width:  # a batch of one-block rows: pad with the null block
-            tables = torch.nn.functional.pad(tables, (0, width - tables.shape[1]))
-        seq_lens = seq_lens.clone()
+        if exact and block_tables.is_contiguous() and seq_lens.is_contiguous():
+            tables = block_tables
+        else:
+            width = decode_width(int(seq_lens.max()), k_cache.shape[1])
+            tables = block_tables[:, :width].clone(memory_format=torch.contiguous_format)
+            if tables.shape[1] < width:  # a batch of one-block rows: pad with the null block
+                tables = torch.nn.functional.pad(tables, (0, width - tables.shape[1]))
+            seq_lens = seq_lens.clone()
         for t in (q, tables, seq_lens):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(tables, 1)
@@ -131,7 +136,7 @@ def paged_decode_attention(
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
-    return attend_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window)
+    return attend_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, exact=True)
 
 
 @paged_decode_attention.register_fake

@@ -55,7 +55,7 @@ _lib.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")  #
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     p = _REGISTRY[weight.data_ptr()]
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if p.qweight is not None and (p.dense is None or x2.shape[0] <= INT8_MAX_ROWS):
         assert p.scales is not None
         y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), p.qweight, p.scales)
@@ -64,7 +64,7 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     else:
         assert p.dense is not None
         y = torch.ops.mkldnn._linear_pointwise(x2, p.dense, bias, "none", [], "")
-    out: torch.Tensor = y.reshape(*x.shape[:-1], p.out_features)
+    out: torch.Tensor = y if x.dim() == 2 else y.reshape(*x.shape[:-1], p.out_features)
     return out
 
 
@@ -76,8 +76,11 @@ _lib.impl("packed_linear", _packed_linear, "CPU")  # type: ignore[no-untyped-cal
 _lib.impl("packed_linear", _packed_linear_meta, "Meta")  # type: ignore[no-untyped-call]
 
 
+_OP = torch.ops.asyncexec.packed_linear.default
+
+
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.asyncexec.packed_linear(x, self.weight, self.bias)  # type: ignore[no-any-return]
+    return _OP(x, self.weight, self.bias)  # type: ignore[no-any-return]
 
 
 def _install(mod: torch.nn.Linear) -> None:

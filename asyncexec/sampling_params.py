@@ -42,7 +42,7 @@ _KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 class StructuredOutputsParams(
-    msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False, forbid_unknown_fields=True
+    msgspec.Struct, frozen=True, kw_only=True, gc=False, forbid_unknown_fields=True
 ):
     """One constraint on a request's output, vLLM V1's fields: exactly one of `json` (a JSON schema, as a
     dict or a JSON string), `json_object` (any JSON object), `regex`, `choice` (a non-empty list of

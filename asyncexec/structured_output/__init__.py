@@ -57,6 +57,10 @@ class StructuredOutputManager:
         params = req.sampling_params.structured_outputs
         if params is None:
             return
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "structured_outputs: needs a tokenizer in the model folder", param="structured_outputs"
+            )
         key = cache_key(params)
         fut = self._cache.get(key)
         if fut is None:

@@ -99,7 +99,9 @@ async def test_the_request_ends_when_its_grammar_is_complete_not_at_max_tokens(
 ) -> None:
     async with AsyncEngine(engine_config(tiny_models["llama"])) as engine:
         out = await collect(engine, [1, 2, 3], sp(temperature=0.0, max_tokens=50, regex="abc"))
-        free = await collect(engine, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+        free = await collect(
+            engine, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+        )
     assert out.text == "abc" and out.finish_reason == "stop" and len(out.token_ids) == 3
     assert len(free.token_ids) == 50  # unconstrained, the same prompt runs to max_tokens
 
@@ -119,7 +121,7 @@ async def test_each_step_masks_with_the_matcher_advanced_by_the_tokens_sampled(
                 masks.append((list(req.output_token_ids), so.grammar_bitmask.clone()))
             return await execute(so)
 
-        engine.executor.execute_model = recording  # type: ignore[method-assign]
+        engine.executor.execute_model = recording  # type: ignore[method-assign,assignment]
         out = await collect(engine, [4, 5], sp(seed=3, regex=REGEX))
         tok = llguidance.hf.from_tokenizer(engine.tokenizer, n_vocab=engine.model_info["vocab_size"])
     assert [m[0] for m in masks] == [out.token_ids[:i] for i in range(len(out.token_ids))]
@@ -153,7 +155,9 @@ async def test_an_unconstrained_request_sharing_the_batch_is_unchanged(tiny_mode
     assert all(json.loads(o.text or "") for o in constrained)
 
 
-async def test_preemption_keeps_each_matcher_in_step_with_the_kept_tokens(tiny_models: dict[str, Path]) -> None:
+async def test_preemption_keeps_each_matcher_in_step_with_the_kept_tokens(
+    tiny_models: dict[str, Path],
+) -> None:
     """A cache too small for all of them preempts and recomputes; greedy answers equal the roomy run's."""
     prompts = [[(13 * i + j) % 200 for j in range(12)] for i in range(6)]
     params = sp(temperature=0.0, max_tokens=40, json=SCHEMA)
@@ -167,7 +171,9 @@ async def test_preemption_keeps_each_matcher_in_step_with_the_kept_tokens(tiny_m
     assert all(json.loads(o.text or "") for o in outs)
 
 
-async def test_a_matcher_is_rebuilt_when_tokens_it_accepted_were_dropped(tiny_models: dict[str, Path]) -> None:
+async def test_a_matcher_is_rebuilt_when_tokens_it_accepted_were_dropped(
+    tiny_models: dict[str, Path],
+) -> None:
     """`sync` rolls the matcher back to the kept tokens: the mask after a drop is the fresh one's."""
     async with AsyncEngine(engine_config(tiny_models["llama"])) as engine:
         assert engine._structured is not None
@@ -211,11 +217,12 @@ async def test_a_grammar_that_does_not_compile_fails_only_its_request(tiny_model
     async with AsyncEngine(engine_config(tiny_models["llama"])) as engine:
         good = asyncio.ensure_future(collect(engine, [1, 2], sp(seed=1, regex=REGEX)))
         plain = asyncio.ensure_future(collect(engine, [1, 2], SamplingParams(max_tokens=8)))
-        for bad, field in [
+        cases: list[tuple[dict[str, Any], str]] = [
             (dict(regex="(ab"), "regex"),
             (dict(json={"type": "object", "properties": {"a": {"type": "nope"}}}), "json"),
             (dict(grammar="start: undefined_rule"), "grammar"),
-        ]:
+        ]
+        for bad, field in cases:
             with pytest.raises(InvalidRequestError, match=f"^{field}: cannot be compiled") as e:
                 await collect(engine, [1, 2], sp(**bad))
             assert e.value.param == field

@@ -43,6 +43,7 @@ from asyncexec.parallel_sampling import ParentRequests, make_requests
 from asyncexec.processor import InputProcessor, OutputProcessor, load_tokenizer
 from asyncexec.sampling_params import SamplingParams
 from asyncexec.scheduler import Request, Scheduler
+from asyncexec.structured_output import StructuredOutputManager
 from asyncexec.supervisor import ExecutorSupervisor, worker_death
 
 __all__ = ["AsyncEngine"]
@@ -66,6 +67,7 @@ class AsyncEngine:
         self.metrics = EngineMetrics(self.stats)
         self._supervisor = ExecutorSupervisor(config, self.metrics)
         self._inputs: InputProcessor | None = None
+        self._structured: StructuredOutputManager | None = None
         self._outputs = OutputProcessor(None)
         self._streams: dict[str, asyncio.Queue[_Item]] = {}
         self._parents = ParentRequests()
@@ -93,6 +95,7 @@ class AsyncEngine:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, self._supervisor.config.model)
             self._inputs = InputProcessor(self.config, self.tokenizer, self.model_info, self.num_blocks)
             self._outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
+            self._structured = StructuredOutputManager(self.tokenizer, self.model_info["vocab_size"])
         except BaseException:
             await self._supervisor.shutdown()
             raise
@@ -109,6 +112,8 @@ class AsyncEngine:
         for q in self._streams.values():
             q.put_nowait(ExecutorClosedError("engine shut down while the request was running"))
         await self._supervisor.shutdown()
+        if self._structured is not None:
+            self._structured.shutdown()
 
     async def __aenter__(self) -> AsyncEngine:
         await self.start()
@@ -172,6 +177,9 @@ class AsyncEngine:
             raise EngineOverloadedError(
                 f"{len(sched.waiting)} requests are waiting (max_waiting_requests={limit})"
             )
+        assert self._structured is not None
+        for copy in reqs:  # each copy has its own matcher; they share the compiled grammar
+            self._structured.grammar_init(copy)
         sched.add_request(reqs[0], reqs[1:])
         if parent is not None:
             self._parents.add(parent)
@@ -223,10 +231,15 @@ class AsyncEngine:
                 raise ExecutorClosedError(f"engine has failed: {self._dead}") from self._dead
             if not sched.has_work():
                 return []
-            assert self.executor is not None
+            assert self.executor is not None and self._structured is not None
             t0 = time.perf_counter()
+            rejected = [self._fail_request(sched, r, e) for r, e in self._structured.take_failed()]
             try:
                 so = sched.schedule()
+                if not so.num_scheduled_tokens and not so.finished_req_ids and self._structured.has_pending:
+                    await self._structured.wait_for_grammars()  # nothing to run until one compiles
+                    return [routed for o in rejected for routed in self._deliver(o)]
+                self._structured.fill_bitmask(so, sched.requests)
                 out = await self.executor.execute_model(so)
             except asyncio.CancelledError:
                 raise
@@ -235,8 +248,9 @@ class AsyncEngine:
                 return []
             try:
                 progressed, failed = sched.update_from_output(so, out)
+                failed += self._structured.accept_tokens(progressed, sched.finish)  # a grammar's end
                 outputs, bad = self._outputs.make_outputs(progressed)  # stop strings finish here
-                outputs += [self._fail_request(sched, req, exc) for req, exc in [*failed, *bad]]
+                outputs += rejected + [self._fail_request(sched, req, exc) for req, exc in [*failed, *bad]]
                 done = [p for p in progressed if p[0].finish_reason != "error"]
                 self.metrics.on_step(time.perf_counter() - t0, done)
             except Exception as e:
@@ -269,8 +283,10 @@ class AsyncEngine:
         sched.finish(req.request_id, "error")  # a no-op where the scheduler already did
         self.metrics.on_finished("error")
         q = self._streams.pop(self._parents.stream_id(req.request_id), None)
-        if q is not None:
-            q.put_nowait(RequestFailedError(req.request_id, exc))
+        if q is not None:  # a request refused for its own input (its grammar) gets that error, a 400
+            q.put_nowait(
+                exc if isinstance(exc, InvalidRequestError) else RequestFailedError(req.request_id, exc)
+            )
         return self._outputs.error_output(req)
 
     async def generate(

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import torch
 
 from asyncexec.config import EngineConfig
 from asyncexec.ipc.channel import CurveClientKeys
@@ -90,7 +91,13 @@ class CachedRequestData(_Wire):
 
 
 class SchedulerOutput(_Wire):
-    """One step's work for every rank."""
+    """One step's work for every rank.
+
+    Structured outputs: `grammar_bitmask` (int32 `[len(structured_output_request_ids), ceil(V / 32)]`,
+    bit `t % 32` of word `t // 32` set where token `t` is allowed) holds one row per constrained request
+    that samples in this step, in `structured_output_request_ids` order; every rank applies it to those
+    requests' logits before sampling. Large masks travel through the shared-memory tensor path.
+    """
 
     step_id: int
     scheduled_new_reqs: list[NewRequestData]
@@ -99,6 +106,8 @@ class SchedulerOutput(_Wire):
     total_num_scheduled_tokens: int
     finished_req_ids: list[str] = msgspec.field(default_factory=list)
     preempted_req_ids: list[str] = msgspec.field(default_factory=list)
+    structured_output_request_ids: list[str] = msgspec.field(default_factory=list)
+    grammar_bitmask: torch.Tensor | None = None
 
 
 class Logprobs(_Wire):

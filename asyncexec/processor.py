@@ -130,7 +130,10 @@ class OutputProcessor:
                 )
             # As in vLLM, stop strings count only once min_tokens are out.
             detok.stop = sp.stop_strings if len(req.output_token_ids) >= sp.min_tokens else []
-            stopped_by_token = req.finish_reason == "stop"
+            grammar_end = (
+                req.structured_output_request is not None and req.structured_output_request.terminated
+            )
+            stopped_by_token = req.finish_reason == "stop" and not grammar_end  # its last token is text
             stop = detok.update(req.output_token_ids, req.finish_reason is not None, stopped_by_token)
             if stop is not None:
                 self._stop(req, stop)

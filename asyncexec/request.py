@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from asyncexec.messages import Logprobs, PromptLogprobs
 from asyncexec.sampling_params import SamplingParams
@@ -46,6 +47,14 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float = 0.0
+    # A `StructuredOutputRequest` where the request's output is constrained (structured outputs).
+    structured_output_request: Any = None
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        """True while the request's grammar is still compiling: it waits in the queue, unscheduled."""
+        so = self.structured_output_request
+        return so is not None and not so.is_ready
 
     @property
     def all_token_ids(self) -> list[int]:

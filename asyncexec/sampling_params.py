@@ -4,11 +4,17 @@ A msgspec Struct, so that it travels inside `NewRequestData` as a typed, array-l
 validated again when a worker decodes it. Two fields are filled by the engine, not by callers:
 `all_stop_token_ids` (the stop token ids plus EOS unless `ignore_eos`, which `min_tokens` masks) and
 `bad_words_token_ids` (`bad_words` tokenized), so that the workers never need the tokenizer.
+
+`structured_outputs` (vLLM's `StructuredOutputsParams`; `guided_decoding` is its older name, kept as an
+alias) constrains the output to a JSON schema, any JSON object, a regex, one of a list of strings, or a
+grammar. The engine compiles it and masks the logits every step; the workers see only the mask.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from typing import Any
 
 import msgspec
 
@@ -22,7 +28,84 @@ MAX_N = 128
 # OpenAI's range for a logit bias; larger values are clamped to it, not refused.
 LOGIT_BIAS_LIMIT = 100.0
 
-__all__ = ["GREEDY_TEMPERATURE", "LOGIT_BIAS_LIMIT", "MAX_N", "MAX_STOP_STRINGS", "SamplingParams"]
+__all__ = [
+    "GREEDY_TEMPERATURE",
+    "LOGIT_BIAS_LIMIT",
+    "MAX_N",
+    "MAX_STOP_STRINGS",
+    "GuidedDecodingParams",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
+
+_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+class StructuredOutputsParams(
+    msgspec.Struct, frozen=True, kw_only=True, gc=False, forbid_unknown_fields=True
+):
+    """One constraint on a request's output, vLLM V1's fields: exactly one of `json` (a JSON schema, as a
+    dict or a JSON string), `json_object` (any JSON object), `regex`, `choice` (a non-empty list of
+    strings) and `grammar` (a Lark grammar, or GBNF/EBNF as llama.cpp writes it).
+
+    JSON is written compactly by default (`", "` and `": "` between items and keys, no other
+    whitespace), so that a sampling model cannot spend its tokens on blank lines; `whitespace_pattern`
+    (a regex) sets the whitespace allowed between JSON tokens instead, and `disable_any_whitespace=False`
+    allows any JSON whitespace there. `disable_additional_properties` forbids keys a schema's objects do
+    not list (where the schema does not say). `disable_fallback` is accepted: there is one grammar engine
+    (llguidance) and never a fallback. `structural_tag` is vLLM's, and not supported: it is refused.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = True
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured_outputs: give exactly one of json, json_object, regex, choice and grammar, "
+                f"got {given or 'none'}",
+                param="structured_outputs",
+            )
+        if self.structural_tag is not None:
+            raise InvalidRequestError(
+                "structured_outputs.structural_tag is not supported", param="structural_tag"
+            )
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except ValueError as e:
+                raise InvalidRequestError(f"json: the schema is not valid JSON: {e}", param="json") from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequestError("json: a schema must be a JSON object", param="json")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"{name} must be a non-empty string", param=name)
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise InvalidRequestError(
+                f"choice must be a non-empty list of strings, got {self.choice!r}", param="choice"
+            )
+        if self.whitespace_pattern is not None and self.json is None and not self.json_object:
+            raise InvalidRequestError(
+                "whitespace_pattern applies to json and json_object only", param="whitespace_pattern"
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
 
 
 class SamplingParams(
@@ -65,8 +148,19 @@ class SamplingParams(
     logit_bias: dict[int, float] | None = None
     all_stop_token_ids: list[int] = msgspec.field(default_factory=list)  # set by the engine
     bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)  # set by the engine
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name for structured_outputs
 
     def __post_init__(self) -> None:
+        if self.guided_decoding is not None or self.structured_outputs is not None:
+            so, gd = self.structured_outputs, self.guided_decoding
+            if so is not None and gd is not None and so != gd:
+                raise InvalidRequestError(
+                    "give structured_outputs or its alias guided_decoding, not both",
+                    param="guided_decoding",
+                )
+            msgspec.structs.force_setattr(self, "structured_outputs", so or gd)
+            msgspec.structs.force_setattr(self, "guided_decoding", so or gd)
         if isinstance(self.stop, str):
             msgspec.structs.force_setattr(self, "stop", [self.stop])
         elif self.stop is None:

@@ -166,8 +166,12 @@ class Scheduler:
             self._emit(req, n, new_blocks, new_reqs, cached)
             num_scheduled[req.request_id] = n
             budget -= n
+        skipped: list[Request] = []  # waiting for their grammar: they keep their place in the queue
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             req = self.waiting[0]
+            if req.waiting_for_grammar:
+                skipped.append(self.waiting.popleft())
+                continue
             if req.num_computed_tokens == 0:
                 req.num_computed_tokens = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
             n = self._cap_prefill(req, min(req.num_tokens - req.num_computed_tokens, budget))
@@ -190,6 +194,7 @@ class Scheduler:
             )
             num_scheduled[req.request_id] = n
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             next(self._step_ids),

@@ -42,17 +42,20 @@ def build_app(
     allowed_hosts: Sequence[str] | None = None,
     allowed_origins: Sequence[str] = (),
     api_key: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> Starlette:
     """A stand-alone app: its lifespan starts the engine and shuts it down (aborting what is left).
 
     Requests whose Host is not in `allowed_hosts` (default: the loopback names; `*` allows any) get
     421; CORS headers are answered only for `allowed_origins` (default: none). With `api_key`, the API
-    routes need `Authorization: Bearer <api_key>` (see `guards.APIKeyGuard`).
+    routes need `Authorization: Bearer <api_key>` (see `guards.APIKeyGuard`). `tool_call_parser`
+    ("hermes") enables `tool_choice` "auto" and "none" (see `tool_calls`).
     """
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     engine = AsyncEngine(config)
-    serving = OpenAIServing(engine, served_model_name or _default_name(config), max_request_bytes)
+    name = served_model_name or _default_name(config)
+    serving = OpenAIServing(engine, name, max_request_bytes, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -93,6 +96,7 @@ def run_server(
     allowed_hosts: Sequence[str] | None = None,
     allowed_origins: Sequence[str] = (),
     api_key: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM, then drain for at most `shutdown_timeout` seconds.
 
@@ -110,5 +114,6 @@ def run_server(
         allowed_hosts=hosts,
         allowed_origins=allowed_origins,
         api_key=api_key,
+        tool_call_parser=tool_call_parser,
     )
     serve_draining(app, app.state.serving, host, port, log_level, shutdown_timeout)

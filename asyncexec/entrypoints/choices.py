@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from asyncexec.entrypoints.tool_calls import ToolCalls
 from asyncexec.outputs import RequestOutput
 
 __all__ = ["ChoiceFormat", "prompt_logprobs_body", "usage_body"]
@@ -61,6 +62,7 @@ class ChoiceFormat:
     echo_text: str | None = None  # completions with echo: the prompt's text, before each choice's
     echo_logprobs: bool = False  # echo with logprobs: the prompt's logprobs lead each choice's
     prompt_logprobs: bool = False  # vLLM's `prompt_logprobs` field was asked for
+    tools: ToolCalls | None = None  # chat with a tool choice: the output becomes `tool_calls`
 
     def choice(
         self, out: RequestOutput, text: str, token_ids: list[int], stream: bool, first: bool
@@ -131,11 +133,14 @@ class ChoiceFormat:
         key, message = (
             ("delta", {"content": text}) if stream else ("message", {"role": "assistant", "content": text})
         )
+        finish_reason: str | None = out.finish_reason
+        if self.tools is not None:
+            message, finish_reason = self.tools.delta(out, text) if stream else self.tools.message(out, text)
         choice: dict[str, Any] = {
             "index": out.index,
             key: message,
             "logprobs": logprobs,
-            "finish_reason": out.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": out.stop_reason,
         }
         if self.return_ids:

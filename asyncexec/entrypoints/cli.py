@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="larger request bodies are refused with 413 (default: 4194304, 4 MiB)",
     )
     p.add_argument(
+        "--tool-call-parser",
+        choices=["hermes"],
+        default=None,
+        help="read tool calls from the model's text (<tool_call>{json}</tool_call>): tool_choice auto, none",
+    )
+    p.add_argument(
         "--allowed-hosts",
         default=None,
         metavar="HOST[,HOST...]",
@@ -281,6 +287,7 @@ def _serve(ns: argparse.Namespace) -> int:
         allowed_hosts=hosts,
         allowed_origins=origins,
         api_key=api_key,
+        tool_call_parser=ns.tool_call_parser,
     )
     return 0
 

@@ -93,14 +93,18 @@ async def encode_text(
     return ids
 
 
-async def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], max_len: int) -> list[int]:
+async def encode_chat(
+    tokenizer: Any, messages: list[dict[str, Any]], max_len: int, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """`apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`'s ids: the template is
     rendered to text, which is then tokenized as `encode_text` does and as the template's own
-    `tokenize=True` would (`tokenizer(text, add_special_tokens=False)`)."""
+    `tokenize=True` would (`tokenizer(text, add_special_tokens=False)`). `tools` go to the template."""
     try:
         text = await off_loop_if(
             sum(len(m["content"]) for m in messages) > INLINE_TOKENIZE_CHARS,
-            lambda: tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+            lambda: tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            ),
         )
     except Exception as e:  # a template that rejects these messages
         raise HTTPError(400, f"the chat template rejected the messages: {e}", param="messages") from None

@@ -4,7 +4,9 @@ Bodies are decoded straight into typed Structs: a wrong type names its field (`a
 field this server does not implement is refused with a 400 naming it (`forbid_unknown_fields`), never
 ignored. Field names are OpenAI's, and vLLM's for its extensions (`top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `bad_words`, `stop_token_ids`, `include_stop_str_in_output`, `ignore_eos`,
-`prompt_logprobs`, `stream_options.continuous_usage_stats`); `return_token_ids` is this server's own.
+`prompt_logprobs`, `stream_options.continuous_usage_stats`, structured outputs: see `structured`), and
+chat's `tools`, `tool_choice` and `parallel_tool_calls` (see `tool_calls`); `return_token_ids` is this
+server's own.
 Values are checked again by `SamplingParams`. `read_body` caps a body's size (by its Content-Length up
 front, and by counting what arrives for chunked bodies).
 """
@@ -19,8 +21,10 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from asyncexec.entrypoints.structured import StructuredFields
+from asyncexec.entrypoints.tool_calls import ChatTool, ToolChoice
 from asyncexec.errors import AsyncExecError, EngineOverloadedError, InvalidRequestError
-from asyncexec.sampling_params import SamplingParams
+from asyncexec.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "DEFAULT_MAX_REQUEST_BYTES",
@@ -85,7 +89,7 @@ class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far (with include_usage)
 
 
-class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class _Sampling(StructuredFields, kw_only=True, forbid_unknown_fields=True):
     """The fields both endpoints share; `user` is accepted, as it only labels the caller."""
 
     model: str | None = None
@@ -128,7 +132,12 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         )
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None, best_of: int | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        best_of: int | None = None,
+        structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         return SamplingParams(
             n=self.n,
@@ -151,6 +160,7 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             logit_bias=self.logit_bias,
+            structured_outputs=structured,
         )
 
 
@@ -168,13 +178,13 @@ class CompletionRequest(_Sampling, kw_only=True):
         if self.stream and self.best_of is not None and self.best_of > self.n:
             raise HTTPError(400, "best_of > n cannot stream: the best are known at the end", param="best_of")
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """vLLM's mapping: with `echo`, `logprobs` also asks for the prompt's (unless `prompt_logprobs`
         is given); `max_tokens: 0` with `echo` scores the prompt without generating."""
         plp = self.prompt_logprobs
         if plp is None and self.echo and (self.logprobs is not None or self.max_tokens == 0):
             plp = self.logprobs or 0
-        return self.sampling_params(self.max_tokens, self.logprobs, plp, self.best_of)
+        return self.sampling_params(self.max_tokens, self.logprobs, plp, self.best_of, structured)
 
 
 class ContentPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -201,6 +211,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         super().check()

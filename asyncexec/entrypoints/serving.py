@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
@@ -45,7 +46,10 @@ from asyncexec.entrypoints.streaming import (
     race_disconnect,
     sse_chunks,
 )
+from asyncexec.entrypoints.structured import structured_outputs_from
 from asyncexec.entrypoints.tokenization import detokenize, tokenize
+from asyncexec.entrypoints.tool_calls import TOOL_CALL_PARSERS, tool_calls_for
+from asyncexec.errors import InvalidRequestError
 from asyncexec.sampling_params import SamplingParams
 
 __all__ = ["OpenAIServing"]
@@ -58,8 +62,15 @@ class OpenAIServing:
     """The OpenAI endpoints, health and metrics, over `engine` (which the app's lifespan starts)."""
 
     def __init__(
-        self, engine: AsyncEngine, model_name: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        tool_call_parser: str | None = None,
     ) -> None:
+        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
+        self.tool_call_parser = tool_call_parser
         self.engine = engine
         self.model_name = model_name
         self.max_request_bytes = max_request_bytes
@@ -99,7 +110,8 @@ class OpenAIServing:
         body = await read_body(request, self.max_request_bytes)
         req: CompletionRequest = decode_body(body, CompletionRequest)
         self._check_model(req.model)
-        sp = req.to_sampling_params()
+        structured = structured_outputs_from(req)
+        sp = req.to_sampling_params(structured[1] if structured else None)
         prompt = await self._tokenize(req.prompt)
         tok = self.engine.tokenizer
         echo = None
@@ -113,7 +125,7 @@ class OpenAIServing:
             echo_logprobs=req.echo and req.logprobs is not None,
             prompt_logprobs=req.prompt_logprobs is not None,
         )
-        return await self._respond(request, prompt, sp, req, "cmpl", fmt)
+        return await self._respond(request, prompt, sp, req, "cmpl", fmt, structured and structured[0])
 
     async def chat_completions(self, request: Request) -> Response:
         body = await read_body(request, self.max_request_bytes)
@@ -125,19 +137,27 @@ class OpenAIServing:
                 400, "this model's tokenizer has no chat template; use /v1/completions", param="messages"
             )
         messages = [m.as_dict() for m in req.messages]
-        ids = await encode_chat(tok, messages, self.engine.model_info["max_model_len"])
+        tools, schema = tool_calls_for(
+            req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser
+        )
+        structured = structured_outputs_from(req, schema)
+        tool_defs = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
+        ids = await encode_chat(tok, messages, self.engine.model_info["max_model_len"], tool_defs)
         max_tokens = req.max_completion_tokens or req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.engine.model_info["max_model_len"] - len(ids))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        sp = req.sampling_params(max_tokens, logprobs, req.prompt_logprobs)
+        sp = req.sampling_params(
+            max_tokens, logprobs, req.prompt_logprobs, structured=structured[1] if structured else None
+        )
         fmt = ChoiceFormat(
             chat=True,
             tok=tok,
             return_ids=req.return_token_ids,
             prompt_logprobs=req.prompt_logprobs is not None,
+            tools=tools,
         )
-        return await self._respond(request, ids, sp, req, "chatcmpl", fmt)
+        return await self._respond(request, ids, sp, req, "chatcmpl", fmt, structured and structured[0])
 
     async def models(self, request: Request) -> Response:
         card = {
@@ -213,6 +233,7 @@ class OpenAIServing:
         req: CompletionRequest | ChatCompletionRequest,
         prefix: str,
         fmt: ChoiceFormat,
+        structured_field: str | None = None,
     ) -> Response:
         rid = f"{prefix}-{uuid.uuid4().hex}"
         obj = (
@@ -224,7 +245,12 @@ class OpenAIServing:
         )
         head = {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name}
         stream = self.engine.generate(prompt, sp, rid)
-        first = await self._await(request, anext(stream), rid)
+        try:
+            first = await self._await(request, anext(stream), rid)
+        except InvalidRequestError as e:  # its grammar did not compile: name the field the request used
+            if structured_field is None:
+                raise
+            raise HTTPError(400, f"{structured_field}: {e}", param=structured_field) from None
         if first is None:  # the client left before the first token
             await stream.aclose()
             return Response(status_code=499)

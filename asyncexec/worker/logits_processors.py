@@ -25,9 +25,23 @@ import torch
 
 from asyncexec.sampling_params import LOGIT_BIAS_LIMIT, SamplingParams
 
-__all__ = ["apply_logits_processors"]
+__all__ = ["apply_grammar_bitmask", "apply_logits_processors"]
 
 _NEG_INF = float("-inf")
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[tuple[int, int]]) -> None:
+    """Set to -inf, in place, every logit that a structured output forbids: `rows` pairs a row of
+    `logits [N, V]` with its row of the packed int32 `bitmask [R, ceil(V / 32)]` (bit `t % 32` of word
+    `t // 32` set where token `t` is allowed). Tokens past the mask's width are forbidden."""
+    vocab = logits.shape[1]
+    logit_rows = torch.tensor([r for r, _ in rows])
+    words = bitmask[torch.tensor([m for _, m in rows])]
+    allowed = ((words[:, :, None] >> _BITS) & 1).view(len(rows), -1).bool()
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    logits[logit_rows] = logits[logit_rows].masked_fill_(~allowed[:, :vocab], _NEG_INF)
 
 
 def apply_logits_processors(

@@ -225,6 +225,7 @@ class ModelRunner:
             [len(s.token_ids) for s in states],
             [s.token_ids for s in states],
             [num_prompt.get(rid, len(s.token_ids)) for rid, s in zip(ids, states, strict=True)],
+            req_ids=ids,
         )
         self.stats["sample_s"] += time.perf_counter() - t_sample
         prompt_lps = prompt_rows.gather(logits[len(rows) :]) if prompt_rows is not None else {}

@@ -8,6 +8,9 @@ Every rank runs the same code on the same logits, so every rank samples the same
 request draws from a generator seeded by `(seed, position)`: its tokens are the same on every rank, on
 every run, and after a preemption or a restart, whatever else shares the batch. Unseeded requests draw
 from the worker's generator, seeded from `config.seed` at start-up.
+
+Structured outputs: the step's `grammar_bitmask` (from the engine, the same on every rank) masks its
+requests' rows after the other processors, greedy rows included, in one vectorized operation.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from collections.abc import Sequence
 
 import torch
 
+from asyncexec.errors import ProtocolError
 from asyncexec.messages import Logprobs, SchedulerOutput
 from asyncexec.sampling_params import SamplingParams
-from asyncexec.worker.logits_processors import apply_logits_processors
+from asyncexec.worker.logits_processors import apply_grammar_bitmask, apply_logits_processors
 
 __all__ = ["Sampler"]
 
@@ -35,6 +39,9 @@ class Sampler:
         # Where each request's prompt ends: its token list also holds the output (and, for a request
         # sent again to new workers, the output so far as part of what arrived as its prompt).
         self.num_prompt_tokens: dict[str, int] = {}
+        # This step's structured-output mask: a row of `grammar_bitmask` per id.
+        self.grammar_rows: dict[str, int] = {}
+        self.grammar_bitmask: torch.Tensor | None = None
 
     def update_states(self, so: SchedulerOutput) -> None:
         """Track the prompt lengths of the requests this rank holds, from a step's deltas."""
@@ -45,6 +52,14 @@ class Sampler:
             self.num_prompt_tokens[new.req_id] = (
                 n if 0 <= n <= len(new.prompt_token_ids) else len(new.prompt_token_ids)
             )
+        ids, mask = so.structured_output_request_ids, so.grammar_bitmask
+        if ids and (
+            mask is None or mask.dtype != torch.int32 or mask.dim() != 2 or mask.shape[0] != len(ids)
+        ):
+            shape = None if mask is None else (tuple(mask.shape), mask.dtype)
+            raise ProtocolError(f"grammar_bitmask {shape} does not have one int32 row per id of {len(ids)}")
+        self.grammar_rows = {rid: i for i, rid in enumerate(ids)}
+        self.grammar_bitmask = mask if ids else None
 
     def __call__(
         self,
@@ -53,16 +68,23 @@ class Sampler:
         positions: list[int],
         token_ids: Sequence[Sequence[int]] | None = None,
         num_prompt_tokens: Sequence[int] | None = None,
+        req_ids: Sequence[str] | None = None,
     ) -> tuple[list[int], Logprobs | None]:
         """Sample one token per row of `logits [N, V]`; `positions[i]` is the index of row i's new token,
         and `token_ids[i]` its tokens so far, the first `num_prompt_tokens[i]` being the prompt (needed
-        only for rows with penalties, `min_tokens` or bad words)."""
+        only for rows with penalties, `min_tokens` or bad words); `req_ids[i]` is row i's request, which
+        this step's grammar bitmask (from `update_states`) is matched with."""
         raw = logits.float().cpu()
         n = max((p.logprobs or 0 for p in params if p.logprobs is not None), default=-1)
         if any(p.logit_bias or p.needs_history for p in params):
             logits = apply_logits_processors(raw.clone(), params, token_ids, num_prompt_tokens)
         else:
             logits = raw
+        if self.grammar_bitmask is not None and req_ids is not None:
+            pairs = [(i, self.grammar_rows[r]) for i, r in enumerate(req_ids) if r in self.grammar_rows]
+            if pairs:
+                logits = logits.clone() if logits is raw and n >= 0 else logits  # raw gives the logprobs
+                apply_grammar_bitmask(logits, self.grammar_bitmask, pairs)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:

@@ -186,7 +186,7 @@ async def test_overload_answers_429(server: ServerProcess) -> None:
         ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 9}, 400, "stop"),
         (
             "/v1/completions",
-            {"prompt": "hi", "response_format": {"type": "json_object"}},
+            {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
             400,
             "response_format",
         ),

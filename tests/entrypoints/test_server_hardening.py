@@ -322,14 +322,13 @@ UNSUPPORTED: dict[str, dict[str, Any]] = {
     # (the penalties, logit_bias, best_of, min_tokens, prompt_logprobs and the stop-string options are
     # implemented now: tests/entrypoints/test_openai_api.py walks every field)
     "/v1/completions": {
-        "suffix": "x", "response_format": {"type": "json_object"}, "guided_json": {}, "metadata": {"a": "b"},
+        "suffix": "x", "tools": [], "guided_decoding_backend": "xgrammar", "metadata": {"a": "b"},
     },
     "/v1/chat/completions": {
-        "response_format": {"type": "json_object"}, "tools": [], "tool_choice": "required", "functions": [],
-        "function_call": "auto", "parallel_tool_calls": True,
+        "functions": [], "function_call": "auto", "guided_decoding_backend": "xgrammar",
         "modalities": ["text"], "audio": {}, "prediction": {}, "store": True,
         "reasoning_effort": "low", "web_search_options": {}, "service_tier": "auto", "metadata": {"a": "b"},
-        "guided_regex": "a+", "chat_template": "x", "add_generation_prompt": False, "echo": True,
+        "chat_template": "x", "add_generation_prompt": False, "echo": True,
     },
 }  # fmt: skip
 

@@ -170,9 +170,7 @@ async def test_a_wrong_key_is_refused_and_tokenize_round_trips(api: Any) -> None
         await http.post("http://localhost/detokenize", json={"tokens": tok["tokens"]}, headers=headers)
     ).json()
     assert back == {"prompt": TEXT}
-    with pytest.raises(openai.BadRequestError, match="response_format"):
+    with pytest.raises(openai.BadRequestError, match="metadata"):
         await api.chat.completions.create(
-            model="smollm2",
-            messages=[{"role": "user", "content": "hi"}],
-            response_format={"type": "json_object"},
+            model="smollm2", messages=[{"role": "user", "content": "hi"}], metadata={"a": "b"}
         )

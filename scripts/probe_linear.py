@@ -1,0 +1,71 @@
+"""Every `nn.Linear` of a model (lm_head included) once, at M rows: plain bf16 (or float32) `F.linear`,
+the oneDNN-packed weight asyncexec uses (`mkldnn._linear_pointwise`), and int8 weight-only
+(`aten._weight_int8pack_mm`, per-channel scales). Median ms of the whole set, per M, in one process.
+
+Usage: python scripts/probe_linear.py [--model smollm2] [--dtype bfloat16] [--rows 1 4 8 32 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def bench(fn: Callable[[], object], reps: int = 30) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 32, 512])
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    from asyncexec.model_registry import resolve_model
+    from asyncexec.worker.quantization import quantize_weight
+
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=dtype)
+    lins = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    print(f"{len(lins)} linears, {sum(m.weight.numel() for m in lins) / 1e6:.1f} M weights, {args.dtype}, "
+          f"{torch.get_num_threads()} threads")  # fmt: skip
+    head = ["rows", "plain ms", "packed ms", "int8 ms", "packed/plain", "int8/packed"]
+    print(" ".join(f"{h:>12s}" for h in head))
+    with torch.inference_mode():
+        ws = [(m.weight, m.bias) for m in lins]
+        packed = [(torch.ops.mkldnn._reorder_linear_weight(w, 1), b) for w, b in ws]
+        quant = [(*quantize_weight(w), b) for w, b in ws]
+        for rows in args.rows:
+            xs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in lins}
+
+            def plain(xs: dict[int, torch.Tensor] = xs) -> None:
+                for w, b in ws:
+                    torch.nn.functional.linear(xs[w.shape[1]], w, b)
+
+            def onednn(xs: dict[int, torch.Tensor] = xs) -> None:
+                for (pw, b), (w, _) in zip(packed, ws, strict=True):
+                    torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], pw, b, "none", [], "")
+
+            def int8(xs: dict[int, torch.Tensor] = xs) -> None:
+                for q, s, _ in quant:
+                    torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s)
+
+            a, p, q8 = bench(plain), bench(onednn), bench(int8, 10)
+            print(" ".join(f"{v:12.2f}" for v in (rows, a, p, q8, p / a, q8 / p)))
+
+
+if __name__ == "__main__":
+    main()

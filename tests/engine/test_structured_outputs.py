@@ -213,6 +213,23 @@ async def test_a_restart_of_the_workers_keeps_constrained_outputs_equal(tiny_mod
     assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
 
 
+async def test_ranks_agree_on_constrained_tokens_and_equal_the_uni_run(tiny_models: dict[str, Path]) -> None:
+    """mp x2 with `check_rank_agreement`: every rank masks with the same bitmask and samples the same."""
+    reqs = [([30 + i, 4], sp(seed=i, json=SCHEMA)) for i in range(4)]
+    reqs += [([40 + i], sp(seed=i, regex=REGEX)) for i in range(3)]
+    reqs += [([50], sp(temperature=0.0, choice=CHOICES)), ([51], sp(temperature=0.0, json=SCHEMA))]
+    runs = []
+    for cfg in (
+        engine_config(tiny_models["llama"]),
+        engine_config(tiny_models["llama"], "mp", 2, check_rank_agreement=True),
+    ):
+        async with AsyncEngine(cfg) as engine:
+            runs.append(await asyncio.gather(*(collect(engine, p, s) for p, s in reqs)))
+    uni, mp = runs
+    assert [o.token_ids for o in mp] == [o.token_ids for o in uni]
+    assert all(json.loads(o.text or "") for o in mp[:4]) and mp[7].text in CHOICES
+
+
 async def test_a_grammar_that_does_not_compile_fails_only_its_request(tiny_models: dict[str, Path]) -> None:
     async with AsyncEngine(engine_config(tiny_models["llama"])) as engine:
         good = asyncio.ensure_future(collect(engine, [1, 2], sp(seed=1, regex=REGEX)))

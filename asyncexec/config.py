@@ -67,10 +67,11 @@ class EngineConfig:
             `Worker.determine_available_memory`).
         gpu_memory_utilization: on CUDA, the share of the device's memory the rank may use in total.
         quantization: "int8" quantizes every linear layer's weights to int8 at load, per output channel
-            (`asyncexec.worker.quantization`; CPU only, dtype bfloat16 or float32); None keeps them in
-            `dtype`. Its speed comes from graph mode: see the README.
+            (`asyncexec.worker.quantization`; CPU and dtype bfloat16 only). Steps of up to 4 rows run
+            the int8 kernel, bigger ones a bf16 copy of the dequantized weights: faster for a few
+            streams, but more memory, not less (see the README). None keeps the weights in `dtype`.
         enforce_eager: run every step eager: no CUDA graphs, and on CPU no compiled decode graphs
-            (`asyncexec.worker.cpu_graph`) or in-place decode kernel.
+            (`asyncexec.worker.cpu_graph`), in-place decode kernel or prepacked linears.
         cudagraph_capture_sizes: the decode batch sizes of graph mode (CUDA graphs, or compiled CPU
             graphs); a batch is padded to the next size. None means 1, 2, 4, 8, then steps of 8 up to
             `max_num_seqs`.

@@ -31,7 +31,14 @@ import torch
 
 from asyncexec.errors import ConfigError
 
-__all__ = ["INT8_MAX_ROWS", "SUPPORTED_QUANTIZATION", "check_quantization", "pack_linears", "quantize_weight"]
+__all__ = [
+    "INT8_MAX_ROWS",
+    "SUPPORTED_QUANTIZATION",
+    "can_pack",
+    "check_quantization",
+    "pack_linears",
+    "quantize_weight",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +134,17 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales.to(weight.dtype)
 
 
+def can_pack(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs and multiplies `dtype` weights on this CPU (bf16 needs AVX-512 or AMX)."""
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return dtype == torch.float32
+
+
 def _stand_in(weight: torch.Tensor) -> torch.Tensor:
     return torch.zeros(1, dtype=weight.dtype, device=weight.device).expand(*weight.shape)
 
@@ -139,6 +157,12 @@ def pack_linears(model: torch.nn.Module, quantization: str | None, pack_dense: b
             f"quantization={quantization!r} is not supported; supported: {SUPPORTED_QUANTIZATION}"
         )
     stats = {"linears": 0, "bytes_before": 0, "bytes_after": 0}
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if pack_dense and not can_pack(dtype):
+        pack_dense = False  # int8 then serves every size; without int8 there is nothing to do
+        logger.info("oneDNN cannot pack %s weights on this CPU: linears stay as they are", dtype)
+        if quantization is None:
+            return stats
     for mod in model.modules():
         weight = getattr(mod, "weight", None)
         if not isinstance(mod, torch.nn.Linear) or not isinstance(weight, torch.nn.Parameter):

@@ -116,3 +116,20 @@ async def test_int8_engine_scores_like_hf_with_the_dequantized_weights(
     diffs = [abs(got[i][ids[i]] - float(ref[i - 1, ids[i]])) for i in range(1, len(ids))]  # type: ignore[index]
     # bf16 activations against a float32 reference: close; with a per-shard scale (tp=2) a little less
     assert max(diffs) < (0.1 if tp == 1 else 0.2), max(diffs)
+
+
+def test_where_onednn_cannot_pack_linears_stay_and_int8_serves_every_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CPU without bf16 support in oneDNN (no AVX-512): no packing, and int8 needs none."""
+    monkeypatch.setattr("asyncexec.worker.quantization.can_pack", lambda dtype: False)
+    plain = _linear(48, 64, torch.bfloat16)
+    assert pack_linears(torch.nn.Sequential(plain), None)["linears"] == 0
+    assert isinstance(plain.weight, torch.nn.Parameter)  # untouched
+    lin = _linear(48, 64, torch.bfloat16)
+    q, scales = quantize_weight(lin.weight)
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    want = torch.nn.functional.linear(x.float(), q.float() * scales.float()[:, None], lin.bias.float())
+    pack_linears(torch.nn.Sequential(lin), "int8")
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x).float(), want, rtol=2e-2, atol=2e-2)

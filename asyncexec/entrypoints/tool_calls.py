@@ -31,7 +31,8 @@ __all__ = ["TOOL_CALL_PARSERS", "ChatTool", "NamedToolChoice", "ToolCalls", "par
 TOOL_CALL_PARSERS = ("hermes",)
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _HERMES_OPEN = "<tool_call>"
-_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+# OpenAI: a function without `parameters` takes none, so its arguments are exactly `{}`
+_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 class FunctionDefinition(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

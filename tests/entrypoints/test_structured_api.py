@@ -114,6 +114,15 @@ def test_a_named_tool_choice_returns_a_tool_call_of_that_function(client: httpx.
     jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMA)
 
 
+def test_a_function_without_parameters_is_called_with_no_arguments(client: httpx.Client) -> None:
+    tools = [{"type": "function", "function": {"name": "now"}}]
+    body = chat(client, tools=tools, tool_choice={"type": "function", "function": {"name": "now"}}, seed=3)
+    c = body["choices"][0]
+    assert c["finish_reason"] == "tool_calls", c
+    (call,) = c["message"]["tool_calls"]
+    assert call["function"]["name"] == "now" and json.loads(call["function"]["arguments"]) == {}
+
+
 def test_required_calls_are_a_choice_of_the_tools(client: httpx.Client) -> None:
     def check(body: dict[str, Any]) -> list[dict[str, Any]]:
         c = body["choices"][0]

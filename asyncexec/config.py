@@ -26,7 +26,7 @@ RayPlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 _EXECUTORS = ("uni", "mp", "ray")
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-_QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8",)  # EngineConfig.quantization's names
 _EXTENSION_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 MiB = 1 << 20
 
@@ -145,9 +145,9 @@ class EngineConfig:
         _check_positive("worker_start_timeout_s", self.worker_start_timeout_s)
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.quantization is not None and self.quantization not in _QUANTIZATIONS:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(
-                f"quantization={self.quantization!r} is not supported; supported: {_QUANTIZATIONS} or None"
+                f"quantization={self.quantization!r} is not supported; supported: {QUANTIZATIONS} or None"
             )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
             _check_int(name, getattr(self, name), minimum=1)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncexec.config import QUANTIZATIONS
 from asyncexec.errors import ConfigError
 
 __all__ = [
@@ -42,14 +43,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_QUANTIZATION = ("int8",)
+SUPPORTED_QUANTIZATION = QUANTIZATIONS  # checked once, by EngineConfig
 INT8_MAX_ROWS = 4
 
 
 @dataclass
 class _Packed:
-    out_features: int
-    dense: torch.Tensor | None  # oneDNN-packed, in dtype (None: int8 serves every size)
+    dense: torch.Tensor | None = None  # oneDNN-packed, in dtype (None: int8 serves every size)
     qweight: torch.Tensor | None = None  # int8 [N, K]
     scales: torch.Tensor | None = None  # [N], in dtype
 
@@ -71,7 +71,7 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     else:
         assert p.dense is not None
         y = torch.ops.mkldnn._linear_pointwise(x2, p.dense, bias, "none", [], "")
-    out: torch.Tensor = y if x.dim() == 2 else y.reshape(*x.shape[:-1], p.out_features)
+    out: torch.Tensor = y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
     return out
 
 
@@ -112,8 +112,6 @@ def check_quantization(method: str | None, device: torch.device, dtype: torch.dt
     """Refuse, before any weight is touched, what the int8 kernel does not run on."""
     if method is None:
         return
-    if method not in SUPPORTED_QUANTIZATION:
-        raise ConfigError(f"quantization={method!r} is not supported; supported: {SUPPORTED_QUANTIZATION}")
     if device.type != "cpu":
         raise ConfigError(
             f"quantization={method!r} runs on CPU only (PyTorch's int8 weight-pack kernel); this rank's "
@@ -152,10 +150,6 @@ def _stand_in(weight: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def pack_linears(model: torch.nn.Module, quantization: str | None, pack_dense: bool = True) -> dict[str, int]:
     """Route every `nn.Linear` of `model` through `asyncexec::packed_linear`; returns what it did."""
-    if quantization is not None and quantization not in SUPPORTED_QUANTIZATION:
-        raise ConfigError(
-            f"quantization={quantization!r} is not supported; supported: {SUPPORTED_QUANTIZATION}"
-        )
     stats = {"linears": 0, "bytes_before": 0, "bytes_after": 0}
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     if pack_dense and not can_pack(dtype):
@@ -170,7 +164,7 @@ def pack_linears(model: torch.nn.Module, quantization: str | None, pack_dense: b
         w = weight.detach()
         if hasattr(w, "to_local"):  # a DTensor of transformers' tensor parallelism: this rank's shard
             w = w.to_local()
-        packed = _Packed(w.shape[0], None)
+        packed = _Packed()
         if quantization == "int8":
             packed.qweight, packed.scales = quantize_weight(w)
             dense = packed.qweight.to(w.dtype) * packed.scales[:, None]  # what int8 rows compute with

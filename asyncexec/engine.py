@@ -91,6 +91,7 @@ class AsyncEngine:
                 self.num_blocks,
                 self.model_info["max_model_len"],
                 self.model_info["eos_token_ids"],
+                self.model_info.get("attention_crossover"),
             )
             self.tokenizer = await asyncio.to_thread(load_tokenizer, self._supervisor.config.model)
             self._inputs = InputProcessor(self.config, self.tokenizer, self.model_info, self.num_blocks)

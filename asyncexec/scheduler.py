@@ -47,9 +47,15 @@ __all__ = ["Request", "RequestStatus", "Scheduler"]
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, num_blocks: int, max_model_len: int, eos_token_ids: list[int]
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        eos_token_ids: list[int],
+        attention_crossover: int | None = None,
     ) -> None:
         self.config = config
+        self.attention_crossover = attention_crossover  # see `_cap_prefill`
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -208,11 +214,19 @@ class Scheduler:
 
     def _cap_prefill(self, req: Request, n: int) -> int:
         """A long prefill takes at most `long_prefill_token_threshold` tokens of a step while other
-        requests run, so their streams keep a steady gap (vLLM's cap); alone, it takes the budget."""
+        requests run, so their streams keep a steady gap (vLLM's cap); alone, it takes the budget.
+
+        A chunk's tokens cost more the longer the context they attend to: with the model's
+        `attention_crossover` C (the context at which a token's attention costs as much as its linear
+        layers), a chunk starting at context c gets cap x C / (C + c) tokens (at least one block), so a
+        step costs about the same at the end of a long prompt as at its start."""
         cap = self.config.long_prefill_token_threshold
-        if cap and n > cap and any(r is not req for r in self.running):
-            return cap
-        return n
+        if not cap or n <= min(cap, self.config.block_size) or all(r is req for r in self.running):
+            return n
+        if self.attention_crossover:
+            c = self.attention_crossover
+            cap = max(min(cap, self.config.block_size), cap * c // (c + req.num_computed_tokens))
+        return min(n, cap)
 
     def _emit(
         self,

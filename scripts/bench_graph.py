@@ -4,16 +4,18 @@ process (`_bench_common.run_isolated`); the mixed-workload throughput is `bench_
 
 --what breakdown: a ModelRunner built directly, random KV, uniform decode batches of 8 and 32 sequences
     (contexts 16-384); median forward ms, then torch.profiler over a few forwards: GEMM (mm/addmm/bmm/
-    linear/mkldnn), attention (`asyncexec::paged_decode_attention`, or eager's SDPA + index_select +
-    index_copy), everything else = total - GEMM - attention. Eager (enforce_eager) vs graph.
+    linear/mkldnn), attention (eager's SDPA + index_select + index_copy; in graph mode the inductor
+    kernel that holds the decode softmax, profiled through `cpp.enable_kernel_profile`: it also holds the
+    rotary embedding and the KV write, fused into it), everything else = total - GEMM - attention.
+    Eager (enforce_eager) vs graph.
 --what startup: AsyncEngine start to ready: graph mode with an empty TORCHINDUCTOR_CACHE_DIR (cold), again
     with the same folder (warm), and eager.
 --what ttft: lone prompts of 2,000 and 8,000 random tokens, max_tokens=1, through AsyncEngine (graph,
     eager, and eager with the pre-issue masked-SDPA prefill `attention._prefill` patched in, 2,000 only),
     vs one HF forward (logits_to_keep=1) over the same ids.
 --what gap: one greedy stream (ignore_eos); after 20 tokens an 8,000-token prompt arrives; the stream's
-    gaps until that prompt's first token. If the max gap is over 1 s, long_prefill_token_threshold 256
-    (then 128) is tried too.
+    gaps until that prompt's first token, at the default long_prefill_token_threshold (256, scaled down
+    with context by the model's attention crossover); if the max gap is over 1 s, 128 is tried too.
 Usage: python scripts/bench_graph.py [--what ...] [--dtype float32 bfloat16] [--quick] [--json PATH]
 """
 
@@ -67,7 +69,11 @@ def breakdown(job: dict[str, Any]) -> dict[str, Any]:
             vc.normal_()
     res: dict[str, Any] = {"threads": torch.get_num_threads()}
     if not job["eager"]:
+        import torch._inductor.config
+
         from asyncexec.worker.cpu_graph import CPUGraphRunner
+
+        torch._inductor.config.cpp.enable_kernel_profile = True  # each fused kernel a profiler event
 
         t = time.perf_counter()
         r.graphs = CPUGraphRunner.capture(r, sorted(job["sizes"], reverse=True), progress=False)
@@ -260,7 +266,7 @@ def measure(args: argparse.Namespace, res: dict[str, Any]) -> None:
                 job = {"kind": "ttft_engine", "lens": lens[:1], "eager": True, "legacy": True}
                 go(args, res, (what, dtype, "eager_legacy_prefill"), job)
             elif what == "gap":
-                for th in (512, 256, 128):
+                for th in (256, 128):
                     job = {"kind": what, "threshold": th, "long": long, "stream_tokens": tokens}
                     if not go(args, res, (what, dtype, f"threshold_{th}"), job).get("max_gap_s", NAN) > 1.0:
                         break

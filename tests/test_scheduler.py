@@ -257,6 +257,23 @@ def test_a_long_prefill_takes_at_most_the_threshold_while_others_run() -> None:
     assert so.num_scheduled_tokens == {"a": 1, "b": 8}
 
 
+def test_the_prefill_cap_shrinks_as_the_chunk_attends_to_more_context() -> None:
+    cfg = EngineConfig(
+        block_size=4, max_num_batched_tokens=64, max_num_seqs=8, long_prefill_token_threshold=32
+    )
+    sched = Scheduler(cfg, 256, 512, [EOS], attention_crossover=32)
+    add(sched, "a", 4)
+    step(sched)  # a is decoding now
+    b = add(sched, "b", 200)
+    sizes = []
+    while b.num_computed_tokens < 200:
+        so, _ = step(sched)
+        sizes.append(so.num_scheduled_tokens["b"])
+    # cap x C // (C + context): 32 at context 0, 16 at 32, 12 at 48, 11 at 60, 9 at 71, 9 at 80
+    assert sizes[:6] == [32, 16, 12, 11, 9, 9], sizes
+    assert min(sizes[:-1]) == 4 and sum(sizes) == 200, "never below one block, but for the last tokens"
+
+
 def test_a_lone_long_prefill_takes_the_whole_budget() -> None:
     sched = make(num_blocks=256, max_num_batched_tokens=64, long_prefill_token_threshold=8)
     add(sched, "b", 40)

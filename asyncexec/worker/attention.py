@@ -14,9 +14,9 @@ its own keys.
 Batch layout: the first `num_decodes` rows have one query token each, sorted by length; the
 remaining rows are prefill chunks, each attended by `prefill_attention` (flash kernels, no score
 matrix). Decode rows take one of three paths:
-- `graph` (a compiled CPU decode step, `cpu_graph.py`): the whole write-and-attend is the custom op
-  `asyncexec::paged_decode_attention`, which reads K/V in place, and whose K/V caches are the
-  attention module's buffers (`k_cache`, `v_cache`), so all layers share one compiled graph;
+- `graph` (a compiled CPU decode step, `cpu_graph.py`): the KV write and `decode_kernel` are traced
+  into the layer graph, reading K/V in place; the caches are the attention module's buffers
+  (`k_cache`, `v_cache`), so all layers share one compiled graph;
 - `inplace_decode` (graph mode on, but an eager step: mixed or oversized batches): the same
   compiled in-place kernel;
 - otherwise (`enforce_eager`, CUDA): in groups of similar length, one padded, masked SDPA per group
@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch._inductor.inductor_prims  # registers prims.inductor_force_stride_order
 import torch.nn.functional as F
 
-from asyncexec.worker.paged_decode import attend_decode
+from asyncexec.worker.paged_decode import attend_decode, decode_kernel
 from asyncexec.worker.prefill_attention import prefill_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "AttentionMetadata", "register_attention"]
@@ -184,19 +185,20 @@ def _graph_decode(
     scaling: float | None,
     window: int | None,
 ) -> tuple[torch.Tensor, None]:
-    q = query[0].transpose(0, 1).contiguous()  # [B, H, D]; the copy fuses into the rotary kernel
-    out = torch.ops.asyncexec.paged_decode_attention(
-        q,
-        key[0].transpose(0, 1).contiguous(),
-        value[0].transpose(0, 1).contiguous(),
-        module.k_cache,
-        module.v_cache,
-        md.slot_mapping,
-        md.decode_block_tables,
-        md.decode_seq_lens,
-        float(scale_of(scaling, q)),
+    q = query[0].transpose(0, 1)  # [B, H, D]
+    # q computed once (inductor would otherwise inline its rotary into the loop over every key)
+    q = torch.ops.prims.inductor_force_stride_order(q, q.stride())
+    k_cache: torch.Tensor = module.k_cache  # type: ignore[assignment]
+    v_cache: torch.Tensor = module.v_cache  # type: ignore[assignment]
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    # Traced into the layer graph: inductor fuses the write into the attention loops and keeps it in
+    # place (the caches are module buffers, mutated in place, never copied)
+    k_cache.view(-1, hkv, d).index_copy_(0, md.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, md.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    out = decode_kernel(
+        q, k_cache, v_cache, md.decode_block_tables, md.decode_seq_lens, float(scale_of(scaling, q)),
         window or 0,
-    )
+    )  # fmt: skip
     return out.unsqueeze(0), None
 
 

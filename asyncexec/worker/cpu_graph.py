@@ -36,6 +36,7 @@ from asyncexec.errors import ConfigError
 from asyncexec.worker.attention import AttentionMetadata
 from asyncexec.worker.model_runner import NULL_BLOCK
 from asyncexec.worker.paged_decode import decode_width, fresh_function
+from asyncexec.worker.quantization import DedupeGroupLinears
 
 if TYPE_CHECKING:
     from asyncexec.worker.input_batch import PreparedBatch
@@ -124,7 +125,9 @@ class CPUGraphRunner:
             self.padded[n] = min(s for s in sizes if s >= n)
         self.capture_seconds = 0.0
         self.cache_dir = compile_cache_dir()
-        self.compiled = torch.compile(fresh_function(_layer_forward))  # a graph cache of its own
+        self.compiled = torch.compile(  # a graph cache of its own
+            fresh_function(_layer_forward), options={"post_grad_custom_post_pass": DedupeGroupLinears()}
+        )
         attention = [runner.attention_modules[i] for i in sorted(runner.attention_modules)]
         for module, (k, v) in zip(attention, runner.kv_caches, strict=True):
             module.register_buffer("k_cache", k, persistent=False)
@@ -144,12 +147,14 @@ class CPUGraphRunner:
         for b in bar:
             bar.set_postfix(batch=b)
             self._forward(b, torch.arange(b), decode_width(1, runner.config.block_size))
+        for b in (2, 1):  # mixed steps' decode rows: the in-place kernel, one row and many
+            self._forward(b, torch.arange(b), decode_width(1, runner.config.block_size), graph=False)
         self.capture_seconds = time.perf_counter() - start
         logger.info("compiled decode graphs for sizes %s in %.1f s (cache %s)", self.sizes,
                     self.capture_seconds, self.cache_dir)  # fmt: skip
         return self
 
-    def _forward(self, b: int, logits_indices: torch.Tensor, width: int) -> torch.Tensor:
+    def _forward(self, b: int, logits_indices: torch.Tensor, width: int, graph: bool = True) -> torch.Tensor:
         md = AttentionMetadata(
             self.runner.kv_caches,
             self.slots[:b],
@@ -157,7 +162,7 @@ class CPUGraphRunner:
             self.block_tables[:b, :width].contiguous(),  # once a step, not in each layer's kernel
             self.seq_lens[:b],
         )
-        md.graph = True
+        md.graph, md.inplace_decode = graph, not graph
         out: Any = self.runner.model(
             input_ids=self.input_ids[:b][None],
             position_ids=self.positions[:b][None],

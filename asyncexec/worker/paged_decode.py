@@ -7,10 +7,10 @@ a gather-by-block-table, a multiply-reduce, a masked softmax and a second multip
 inductor fuses into loops that index the cache in place: about 1.3 ms for the same layer. It is
 compiled with dynamic batch and table width, so no batch composition recompiles it (`attend_decode`).
 
-`paged_decode_attention` is the `torch.library.custom_op` the compiled decoder layers call: it writes
-the step's new K/V into the cache (the only mutation, declared to the compiler) and runs the kernel
-over the block tables, cut to the width the longest sequence needs. The compiler treats it as one
-opaque node and fuses everything around it.
+In a compiled decode step (`cpu_graph.py`), `attention._graph_decode` traces the KV write and
+`decode_kernel` into the decoder layer's graph: the caches are module buffers mutated in place, and
+inductor fuses the write, the rotary embedding and the attention into one kernel. Mixed steps' decode
+rows call `attend_decode`, the kernel compiled on its own.
 
 Shapes: `q [B, H, D]`; `key`, `value [B, Hkv, D]`; caches `[num_blocks, block_size, Hkv, D]`;
 `block_tables [B, W]` (unused entries point at the null block; cut or padded to `decode_width`);
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["attend_decode", "decode_kernel", "decode_width", "paged_decode_attention"]
+__all__ = ["attend_decode", "decode_kernel", "decode_width"]
 
 _compiled: dict[tuple[object, ...], Callable[..., torch.Tensor]] = {}
 
@@ -118,27 +118,3 @@ def attend_decode(
 def decode_width(max_seq_len: int, block_size: int) -> int:
     """Blocks of table the kernel reads: what the longest row needs, at least 2 (see `attend_decode`)."""
     return max(2, -(-max_seq_len // block_size))
-
-
-@torch.library.custom_op("asyncexec::paged_decode_attention", mutates_args=("k_cache", "v_cache"))
-def paged_decode_attention(
-    q: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    window: int,
-) -> torch.Tensor:
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
-    return attend_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, exact=True)
-
-
-@paged_decode_attention.register_fake
-def _(q: torch.Tensor, *args: Any) -> torch.Tensor:
-    return torch.empty_like(q)

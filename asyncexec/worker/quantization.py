@@ -25,9 +25,10 @@ from __future__ import annotations
 import logging
 import types
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from asyncexec.config import QUANTIZATIONS
 from asyncexec.errors import ConfigError
@@ -52,6 +53,36 @@ class _Packed:
     dense: torch.Tensor | None = None  # oneDNN-packed, in dtype (None: int8 serves every size)
     qweight: torch.Tensor | None = None  # int8 [N, K]
     scales: torch.Tensor | None = None  # [N], in dtype
+    bias: torch.Tensor | None = None  # a group's concatenated bias (a lone linear's comes with the call)
+    group: _Group | None = None  # set on a member of a group: its rows of the group's output
+    start: int = 0
+    end: int = 0
+
+
+@dataclass
+class _Group:
+    """Projections that read the same input (q/k/v, gate/up), packed as one weight: the first member
+    called on an input runs the one GEMM, the others take their columns of it."""
+
+    packed: _Packed
+    members: frozenset[int]  # each member's first column
+    x: torch.Tensor | None = None  # the input the pending output was computed from (held: the object
+    # cannot be replaced by another at its address; inference tensors have no version counter to check)
+    out: torch.Tensor | None = None
+    pending: set[int] = field(default_factory=set)
+
+    def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        if self.x is x and index in self.pending:
+            self.pending.discard(index)
+        else:
+            self.x = x
+            self.out = _matmul(x, self.packed, self.packed.bias)
+            self.pending = set(self.members) - {index}
+        out = self.out
+        assert out is not None
+        if not self.pending:
+            self.x = self.out = None
+        return out
 
 
 _REGISTRY: dict[int, _Packed] = {}
@@ -60,19 +91,33 @@ _lib = torch.library.Library("asyncexec", "FRAGMENT")  # type: ignore[no-untyped
 _lib.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")  # type: ignore[no-untyped-call]
 
 
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    p = _REGISTRY[weight.data_ptr()]
+def _matmul(x: torch.Tensor, p: _Packed, bias: torch.Tensor | None) -> torch.Tensor:
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if p.qweight is not None and (p.dense is None or x2.shape[0] <= INT8_MAX_ROWS):
         assert p.scales is not None
-        y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), p.qweight, p.scales)
-        if bias is not None:
-            y = y + bias
-    else:
-        assert p.dense is not None
-        y = torch.ops.mkldnn._linear_pointwise(x2, p.dense, bias, "none", [], "")
-    out: torch.Tensor = y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
+        y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), p.qweight, p.scales)
+        return y if bias is None else y + bias
+    assert p.dense is not None
+    return torch.ops.mkldnn._linear_pointwise(x2, p.dense, bias, "none", [], "")  # type: ignore[no-any-return]
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    p = _REGISTRY[weight.data_ptr()]
+    # a group member (eager): its columns of the group's one GEMM, a view
+    y = _matmul(x, p, bias) if p.group is None else p.group.output(x, p.start)[:, p.start : p.end]
+    out: torch.Tensor = y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
     return out
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _linear(x, weight, bias)
+
+
+def _packed_linear_group(x: torch.Tensor, key: torch.Tensor, width: int) -> torch.Tensor:
+    group = _REGISTRY[key.data_ptr()].group
+    assert group is not None
+    y = _matmul(x, group.packed, group.packed.bias)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], width)
 
 
 def _packed_linear_meta(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -81,13 +126,49 @@ def _packed_linear_meta(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 _lib.impl("packed_linear", _packed_linear, "CPU")  # type: ignore[no-untyped-call]
 _lib.impl("packed_linear", _packed_linear_meta, "Meta")  # type: ignore[no-untyped-call]
+# a group's whole output: each member's compiled forward calls it and slices its columns; the layer
+# graph's pass (`DedupeGroupLinears`) merges the identical calls into one
+_lib.define("packed_linear_group(Tensor x, Tensor key, int width) -> Tensor")  # type: ignore[no-untyped-call]
+_lib.impl("packed_linear_group", _packed_linear_group, "CPU")  # type: ignore[no-untyped-call]
+_lib.impl(  # type: ignore[no-untyped-call]
+    "packed_linear_group", lambda x, key, width: x.new_empty(*x.shape[:-1], width), "Meta"
+)
 
 
 _OP = torch.ops.asyncexec.packed_linear.default
+_GROUP_OP = torch.ops.asyncexec.packed_linear_group.default
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return _OP(x, self.weight, self.bias)  # type: ignore[no-any-return]
+    if torch.compiler.is_compiling():  # one opaque op in the layer graph
+        return _OP(x, self.weight, self.bias)  # type: ignore[no-any-return]
+    return _linear(x, self.weight, self.bias)  # eager: no dispatcher
+
+
+def _group_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        start: int = self.group_start  # type: ignore[assignment]
+        y = _GROUP_OP(x, self.group_key, self.group_width)
+        return y[..., start : start + self.out_features]  # type: ignore[no-any-return]
+    return _linear(x, self.weight, None)
+
+
+class DedupeGroupLinears(CustomGraphPass):
+    """Inductor post-grad pass: the identical `packed_linear_group` calls of a group's members become
+    one (inductor does not merge identical opaque calls itself)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        seen: dict[tuple[object, ...], torch.fx.Node] = {}
+        for node in list(graph.nodes):
+            if node.target is not _GROUP_OP:
+                continue
+            first = seen.setdefault((*node.args, *node.kwargs.items()), node)
+            if first is not node:
+                node.replace_all_uses_with(first)
+                graph.erase_node(node)
+
+    def uuid(self) -> bytes:  # inductor's cache key: this file's contents
+        return get_hash_for_files((__file__,))
 
 
 def _install(mod: torch.nn.Linear) -> None:
@@ -147,47 +228,101 @@ def _stand_in(weight: torch.Tensor) -> torch.Tensor:
     return torch.zeros(1, dtype=weight.dtype, device=weight.device).expand(*weight.shape)
 
 
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings that read one input
+
+
+def _groups(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
+    """Sibling projections of one input (Llama, Qwen2, Mistral naming), packed as one weight. Not under
+    tensor parallelism (each call has its own wrapper), and only where all or none have a bias."""
+    found = []
+    for mod in model.modules():
+        for names in GROUPS:
+            lins = [getattr(mod, n, None) for n in names]
+            if not all(type(m) is torch.nn.Linear for m in lins):
+                continue
+            members: list[torch.nn.Linear] = lins  # type: ignore[assignment]
+            if (
+                len({m.in_features for m in members}) == 1
+                and len({m.bias is None for m in members}) == 1
+                and all("forward" not in m.__dict__ and not hasattr(m.weight, "to_local") for m in members)
+            ):
+                found.append(members)
+    return found
+
+
+def _pack(w: torch.Tensor, quantization: str | None, pack_dense: bool) -> _Packed:
+    packed = _Packed()
+    if quantization == "int8":
+        packed.qweight, packed.scales = quantize_weight(w)
+        w = packed.qweight.to(w.dtype) * packed.scales[:, None]  # what int8 rows compute with
+    if pack_dense:
+        packed.dense = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+    return packed
+
+
+def _replace(mod: torch.nn.Linear, packed: _Packed) -> None:
+    """The weight becomes the stand-in keying `packed`; the module's forward goes through the op."""
+    w = mod.weight.detach()
+    stand_in = _stand_in(w.to_local() if hasattr(w, "to_local") else w)
+    key = stand_in.data_ptr()
+    _REGISTRY[key] = packed
+    weakref.finalize(stand_in, _REGISTRY.pop, key, None)
+    del mod.weight  # a tied lm_head only drops its reference: the embedding keeps the tensor
+    mod.register_buffer("weight", stand_in, persistent=False)
+    _install(mod)
+
+
 @torch.no_grad()
 def pack_linears(model: torch.nn.Module, quantization: str | None, pack_dense: bool = True) -> dict[str, int]:
     """Route every `nn.Linear` of `model` through `asyncexec::packed_linear`; returns what it did."""
-    stats = {"linears": 0, "bytes_before": 0, "bytes_after": 0}
+    stats = {"linears": 0, "groups": 0, "bytes_before": 0, "bytes_after": 0}
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     if pack_dense and not can_pack(dtype):
         pack_dense = False  # int8 then serves every size; without int8 there is nothing to do
         logger.info("oneDNN cannot pack %s weights on this CPU: linears stay as they are", dtype)
         if quantization is None:
             return stats
-    for mod in model.modules():
-        weight = getattr(mod, "weight", None)
-        if not isinstance(mod, torch.nn.Linear) or not isinstance(weight, torch.nn.Parameter):
-            continue
-        w = weight.detach()
-        if hasattr(w, "to_local"):  # a DTensor of transformers' tensor parallelism: this rank's shard
-            w = w.to_local()
-        packed = _Packed()
-        if quantization == "int8":
-            packed.qweight, packed.scales = quantize_weight(w)
-            dense = packed.qweight.to(w.dtype) * packed.scales[:, None]  # what int8 rows compute with
-        else:
-            dense = w
-        if pack_dense:
-            packed.dense = torch.ops.mkldnn._reorder_linear_weight(dense, 1)
-        stand_in = _stand_in(w)
-        key = stand_in.data_ptr()
-        _REGISTRY[key] = packed
-        weakref.finalize(stand_in, _REGISTRY.pop, key, None)
-        stats["linears"] += 1
+
+    def count(w: torch.Tensor) -> None:
         stats["bytes_before"] += w.numel() * w.element_size()
         stats["bytes_after"] += (w.numel() * w.element_size() if pack_dense else 0) + (
             w.numel() + w.shape[0] * w.element_size() if quantization else 0
         )
-        del mod.weight  # a tied lm_head only drops its reference: the embedding keeps the tensor
-        mod.register_buffer("weight", stand_in, persistent=False)
-        _install(mod)
+
+    for members in _groups(model):
+        ws = [m.weight.detach() for m in members]
+        group_packed = _pack(torch.cat(ws), quantization, pack_dense)
+        if members[0].bias is not None:
+            group_packed.bias = torch.cat([m.bias.detach() for m in members if m.bias is not None])
+        starts = [sum(w.shape[0] for w in ws[:i]) for i in range(len(ws))]
+        group = _Group(group_packed, frozenset(starts))
+        key = torch.zeros(1, dtype=ws[0].dtype)  # the group's one input to the compiled layer graph
+        _REGISTRY[key.data_ptr()] = _Packed(group=group)
+        weakref.finalize(key, _REGISTRY.pop, key.data_ptr(), None)
+        for mod, w, start in zip(members, ws, starts, strict=True):
+            _replace(mod, _Packed(group=group, start=start, end=start + w.shape[0]))
+            mod.register_buffer("group_key", key, persistent=False)
+            setattr(mod, "group_width", sum(w.shape[0] for w in ws))  # noqa: B010
+            setattr(mod, "group_start", start)  # noqa: B010
+            mod.forward = types.MethodType(_group_forward, mod)  # type: ignore[method-assign]
+            count(w)
+        stats["linears"] += len(members)
+        stats["groups"] += 1
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, torch.nn.Linear) or not isinstance(weight, torch.nn.Parameter):
+            continue
+        w = weight.detach()
+        if hasattr(w, "to_local"):  # a DTensor of transformers' tensor parallelism: this rank's shard
+            w = w.to_local()
+        _replace(module, _pack(w, quantization, pack_dense))
+        count(w)
+        stats["linears"] += 1
     if stats["linears"] == 0 and quantization is not None:
         raise ConfigError(
             f"quantization={quantization!r}: {type(model).__name__} has no nn.Linear to quantize"
         )
-    logger.info("packed %d linears (quantization %s): %.1f MiB of weights -> %.1f MiB", stats["linears"],
-                quantization, stats["bytes_before"] / 2**20, stats["bytes_after"] / 2**20)  # fmt: skip
+    logger.info("packed %d linears, %d groups of them as one weight (quantization %s): %.1f MiB of weights "
+                "-> %.1f MiB", stats["linears"], stats["groups"], quantization, stats["bytes_before"] / 2**20,
+                stats["bytes_after"] / 2**20)  # fmt: skip
     return stats

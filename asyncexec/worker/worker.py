@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import math
 import os
 import random
 import typing
@@ -163,6 +164,7 @@ class Worker:
             "max_model_len": runner.max_model_len,
             "vocab_size": int(runner.hf_config.get_text_config().vocab_size),
             "eos_token_ids": [eos] if isinstance(eos, int) else list(eos or []),
+            "attention_crossover": attention_crossover(runner.model, runner.hf_config.get_text_config()),
         }
 
     def check_health(self) -> None:
@@ -271,3 +273,21 @@ def lookup_method(worker: Worker, name: str) -> MethodSpec:
         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
             keyword[p.name] = hint
     return MethodSpec(fn, tuple(positional), var_positional, keyword)
+
+
+def attention_crossover(model: torch.nn.Module, text_config: Any) -> int:
+    """The context length at which a prefill token's attention takes as long as its linear layers. In
+    FLOPs: linear weights (lm_head aside, it runs once per sequence) over 2 x layers x heads x head size
+    (a score and a weighted value, a multiply-add each, per key); attention runs at about half the GEMMs'
+    FLOP rate (fitted on SmolLM2, 2 cores: 2.4x), hence the 4. The scheduler's prefill cap shrinks with
+    context by it."""
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    skip = get_output_embeddings() if callable(get_output_embeddings) else None
+    params = 0
+    for m in model.modules():
+        weight = getattr(m, "weight", None)
+        if m is not skip and not isinstance(m, torch.nn.Embedding) and isinstance(weight, torch.Tensor):
+            params += math.prod(weight.shape) if weight.dim() == 2 else 0
+    heads = int(text_config.num_attention_heads)
+    head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
+    return max(1, params // (4 * int(text_config.num_hidden_layers) * heads * head_dim))

@@ -63,6 +63,59 @@ def test_packed_linear_equals_the_plain_one_eager_and_compiled(dtype: torch.dtyp
         torch.testing.assert_close(torch.compile(lin)(x), want, rtol=tol, atol=tol)
 
 
+class _Block(torch.nn.Module):
+    """The sibling projections a llama layer has: q/k/v read one input, gate/up another."""
+
+    def __init__(self, dtype: torch.dtype, bias: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(64, n, bias=bias) for n in (64, 32, 32))
+        self.gate_proj, self.up_proj = (torch.nn.Linear(64, 96, bias=bias) for _ in range(2))
+        self.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        mlp = torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)
+        return torch.cat([q * 2, k + 1, v, mlp], dim=-1)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_sibling_projections_run_as_one_gemm_and_equal_the_separate_ones(
+    quantization: str | None, bias: bool
+) -> None:
+    from asyncexec.worker import quantization as q
+
+    block = _Block(torch.bfloat16, bias)
+    x = torch.randn(1, 7, 64).to(torch.bfloat16)
+    calls: list[int] = []
+    matmul = q._matmul
+    q._matmul = lambda x2, p, b: calls.append(x2.shape[0]) or matmul(x2, p, b)  # type: ignore[assignment,func-returns-value]
+    try:
+        with torch.inference_mode():
+            ref = _Block(torch.bfloat16, bias)
+            if quantization:  # the model int8 computes: dequantized weights
+                pack_linears(ref, "int8")
+            want = ref(x)
+            calls.clear()
+            stats = pack_linears(block, quantization)
+            assert stats["groups"] == 2 and stats["linears"] == 5
+            eager = block(x)
+            assert len(calls) == 2, "eager: one GEMM per group"
+            calls.clear()
+            compiled = torch.compile(
+                block.forward, options={"post_grad_custom_post_pass": q.DedupeGroupLinears()}
+            )
+            got = compiled(x)
+            assert len(calls) == 2, "compiled: the members' identical calls merged into one per group"
+            again = block(x[:, 1:])  # a new input recomputes (nothing is served stale; rows > INT8_MAX_ROWS)
+    finally:
+        q._matmul = matmul
+    torch.testing.assert_close(eager, want, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(again, want[:, 1:], rtol=0, atol=0)
+
+
 def test_unknown_quantization_is_refused_with_the_supported_list() -> None:
     with pytest.raises(ConfigError, match=r"quantization='int4'.*supported.*'int8'"):
         EngineConfig(model="m", quantization="int4")  # type: ignore[arg-type]

@@ -110,16 +110,17 @@ def _dispatch(layer: torch.nn.Module, compiled: Callable[..., Any]) -> Callable[
 class CPUGraphRunner:
     def __init__(self, runner: ModelRunner, sizes: list[int]) -> None:
         max_b = max(sizes)
+        rows = max(max_b, 2)  # start-up also runs 2 rows eager (`capture`)
         self.runner = runner
         self.sizes = sorted(sizes, reverse=True)
         bs = runner.config.block_size
-        self.input_ids = torch.zeros(max_b, dtype=torch.int64)
-        self.positions = torch.zeros(max_b, dtype=torch.int64)
-        self.slots = torch.full((max_b,), NULL_BLOCK * bs, dtype=torch.int64)
+        self.input_ids = torch.zeros(rows, dtype=torch.int64)
+        self.positions = torch.zeros(rows, dtype=torch.int64)
+        self.slots = torch.full((rows,), NULL_BLOCK * bs, dtype=torch.int64)
         self.block_tables = torch.full(
-            (max_b, runner.input_batch.max_blocks_per_seq), NULL_BLOCK, dtype=torch.int64
+            (rows, runner.input_batch.max_blocks_per_seq), NULL_BLOCK, dtype=torch.int64
         )
-        self.seq_lens = torch.ones(max_b, dtype=torch.int64)
+        self.seq_lens = torch.ones(rows, dtype=torch.int64)
         self.padded = [0] * (max_b + 1)
         for n in range(1, max_b + 1):
             self.padded[n] = min(s for s in sizes if s >= n)

@@ -92,6 +92,29 @@ async def test_greedy_equals_hf_generate(
         assert got[r.req_id][: len(want)] == want, f"{r.req_id} (prompt of {len(r.prompt)} tokens) diverged"
 
 
+async def test_a_single_capture_size_of_one_starts_and_equals_hf_generate(
+    tiny_models: dict[str, Path],
+) -> None:
+    """Start-up also warms the kernel mixed steps' decode rows use (2 rows and 1): that must work when
+    only batches of one are captured."""
+    reqs = workload(seed=1)
+    refs = hf_greedy(
+        tiny_models["llama"], [r.prompt for r in reqs], max_new_tokens=max(r.max_tokens for r in reqs)
+    )
+    ex, _ = await start_with_cache(config(tiny_models["llama"], "uni", 1, cudagraph_capture_sizes=(1,)))
+    try:
+        driver = Driver(ex, num_blocks=17, block_size=BLOCK, budget=16, max_seqs=8)
+        for r in reqs:
+            driver.add(r)
+        got = await driver.run()
+        stats = await ex.collective_rpc("get_runner_stats")
+    finally:
+        await ex.shutdown()
+    assert stats[0]["graph_steps"] > 0
+    for r, ref in zip(reqs, refs, strict=True):
+        assert got[r.req_id][: r.max_tokens] == ref[: r.max_tokens], r.req_id
+
+
 async def test_gpt2_with_two_ranks_fails_at_start_naming_the_architecture(
     tiny_models: dict[str, Path],
 ) -> None:

@@ -202,3 +202,33 @@ def report(res: dict[str, Any]) -> None:
     if all(tput.values()):
         print(f"32 streams: bf16 {tput['bf16_graph']:.1f} tok/s, int8 {tput['int8_graph']:.1f} tok/s "
               f"({tput['int8_graph'] / tput['bf16_graph']:.2f}x)")  # fmt: skip
+
+
+def ratios(res: dict[str, Any]) -> dict[str, float]:
+    """The issue's targets of one round: bf16 graph gap / floor, int8 / bf16 gap, int8 / bf16 at 32."""
+    nan = float("nan")
+
+    def get(key: str, field: str) -> float:
+        r = res.get(key) or {}
+        return float(r.get(field, nan)) if "error" not in r else nan
+
+    floor = get("floor", "floor_ms")
+    gap = {c: get(f"lone:{c}", "gap_p50_ms") for c in CONFIGS}
+    tput = {c: get(f"batch32:{c}", "tok_s") for c in ("bf16_graph", "int8_graph")}
+    return {
+        "bf16_graph_gap / floor": gap["bf16_graph"] / floor,
+        "bf16_eager_gap / floor": gap["bf16_eager"] / floor,
+        "int8_graph_gap / bf16_graph_gap": gap["int8_graph"] / gap["bf16_graph"],
+        "int8 / bf16 tok/s at 32 streams": tput["int8_graph"] / tput["bf16_graph"],
+        "bf16_graph non-model ms": get("lone:bf16_graph", "non_model_ms"),
+    }  # fmt: skip
+
+
+def report_ratios(rounds: list[dict[str, Any]]) -> None:
+    per = [ratios(r) for r in rounds]
+    print(f"\n## the targets, each round and the median of {len(rounds)}")
+    print("| ratio | " + " | ".join(f"round {i + 1}" for i in range(len(per))) + " | median |")
+    print("|---" * (len(per) + 2) + "|")
+    for key in per[0]:
+        vals = [p[key] for p in per]
+        print(f"| {key} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {statistics.median(vals):.2f} |")

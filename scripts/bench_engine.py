@@ -174,6 +174,7 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true", help="also the per-step breakdown (bench_graph)")
     ap.add_argument("--single-stream", action="store_true", help="the lone-stream benchmark instead")
     ap.add_argument("--streams", type=int, default=3, help="--single-stream: lone streams per config")
+    ap.add_argument("--rounds", type=int, default=1, help="--single-stream: rounds of every config (median)")
     ap.add_argument("--json", default=None, help="default bench-results/bench_engine[_single].json")
     ap.add_argument("--job", help=argparse.SUPPRESS)  # internal: run one peer, write its result
     args = ap.parse_args()
@@ -232,20 +233,29 @@ def _single_child(j: dict[str, Any]) -> dict[str, Any]:
 
 
 def single_stream(args: argparse.Namespace, model: str, tokenizer: Any) -> None:
+    """Every job once per round, rounds one after the other (so a slow minute of a shared machine falls
+    on every configuration alike); the report gives each round's ratios and their median."""
     import _bench_single as single
 
     jobs = [("floor", "floor", "")] + [(f"lone:{c}", "lone", c) for c in single.CONFIGS]
     jobs += [(f"batch32:{c}", "batch32", c) for c in ("bf16_graph", "int8_graph")]
-    res: dict[str, Any] = {}
+    rounds: list[dict[str, Any]] = []
     path = args.json or "bench-results/bench_engine_single.json"
-    for key, kind, cfg in jobs:
-        progress(f"{key} (own process)")
-        res[key] = run_isolated(
-            __file__, {"single": kind, "config": cfg, "model": model, "streams": args.streams}
-        )
-        progress(f"{key}: {res[key]}")
-        write_json(path, {"model": model, "results": res})
-    single.report(res)
+    for i in range(args.rounds):
+        res: dict[str, Any] = {}
+        rounds.append(res)
+        for key, kind, cfg in jobs:
+            progress(f"round {i + 1}/{args.rounds}: {key} (own process)")
+            res[key] = run_isolated(
+                __file__, {"single": kind, "config": cfg, "model": model, "streams": args.streams}
+            )
+            progress(f"{key}: {res[key]}")
+            write_json(path, {"model": model, "rounds": rounds})
+    for i, res in enumerate(rounds):
+        print(f"\n## round {i + 1} of {len(rounds)}")
+        single.report(res)
+    if len(rounds) > 1:
+        single.report_ratios(rounds)
 
 
 def prepare_model(args: argparse.Namespace) -> tuple[str, Any, int | None]:

@@ -63,7 +63,8 @@ class EngineConfig:
             name); a prefill alone takes the whole budget. 0 turns the cap off. The cap shrinks as the
             chunk's context grows (`Scheduler._cap_prefill`: tokens late in a long prompt attend to
             more), so a step costs about the same all through the prompt. With the default, 256, a
-            running stream's largest gap during an 8,000-token prompt was 0.63 s on 2 cores (bf16).
+            running stream's largest gap during an 8,000-token prompt was 0.53 s (bf16) and 0.55 s
+            (float32) on 2 cores, p50 0.41-0.48 s (`scripts/bench_graph.py --what gap`).
         kv_cache_memory_bytes: the KV cache's size per rank; None sizes it from memory (see
             `Worker.determine_available_memory`).
         gpu_memory_utilization: on CUDA, the share of the device's memory the rank may use in total.

@@ -54,9 +54,8 @@ class _Packed:
     qweight: torch.Tensor | None = None  # int8 [N, K]
     scales: torch.Tensor | None = None  # [N], in dtype
     bias: torch.Tensor | None = None  # a group's concatenated bias (a lone linear's comes with the call)
-    group: _Group | None = None  # set on a member of a group: its rows of the group's output
-    start: int = 0
-    end: int = 0
+    group: _Group | None = None  # set on a member of a group: its columns of the group's output start
+    start: int = 0  # at `start` (and are as many as its stand-in weight's rows)
 
 
 @dataclass
@@ -104,13 +103,10 @@ def _matmul(x: torch.Tensor, p: _Packed, bias: torch.Tensor | None) -> torch.Ten
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     p = _REGISTRY[weight.data_ptr()]
     # a group member (eager): its columns of the group's one GEMM, a view
-    y = _matmul(x, p, bias) if p.group is None else p.group.output(x, p.start)[:, p.start : p.end]
-    out: torch.Tensor = y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
+    n = weight.shape[0]
+    y = _matmul(x, p, bias) if p.group is None else p.group.output(x, p.start)[:, p.start : p.start + n]
+    out: torch.Tensor = y if x.dim() == 2 else y.view(*x.shape[:-1], n)
     return out
-
-
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _linear(x, weight, bias)
 
 
 def _packed_linear_group(x: torch.Tensor, key: torch.Tensor, width: int) -> torch.Tensor:
@@ -124,7 +120,7 @@ def _packed_linear_meta(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-_lib.impl("packed_linear", _packed_linear, "CPU")  # type: ignore[no-untyped-call]
+_lib.impl("packed_linear", _linear, "CPU")  # type: ignore[no-untyped-call]
 _lib.impl("packed_linear", _packed_linear_meta, "Meta")  # type: ignore[no-untyped-call]
 # a group's whole output: each member's compiled forward calls it and slices its columns; the layer
 # graph's pass (`DedupeGroupLinears`) merges the identical calls into one
@@ -136,6 +132,7 @@ _lib.impl(  # type: ignore[no-untyped-call]
 
 
 _OP = torch.ops.asyncexec.packed_linear.default
+_SOURCE_HASH = get_hash_for_files((__file__,))
 _GROUP_OP = torch.ops.asyncexec.packed_linear_group.default
 
 
@@ -168,7 +165,7 @@ class DedupeGroupLinears(CustomGraphPass):
                 graph.erase_node(node)
 
     def uuid(self) -> bytes:  # inductor's cache key: this file's contents
-        return get_hash_for_files((__file__,))
+        return _SOURCE_HASH
 
 
 def _install(mod: torch.nn.Linear) -> None:
@@ -300,7 +297,7 @@ def pack_linears(model: torch.nn.Module, quantization: str | None, pack_dense: b
         _REGISTRY[key.data_ptr()] = _Packed(group=group)
         weakref.finalize(key, _REGISTRY.pop, key.data_ptr(), None)
         for mod, w, start in zip(members, ws, starts, strict=True):
-            _replace(mod, _Packed(group=group, start=start, end=start + w.shape[0]))
+            _replace(mod, _Packed(group=group, start=start))
             mod.register_buffer("group_key", key, persistent=False)
             setattr(mod, "group_width", sum(w.shape[0] for w in ws))  # noqa: B010
             setattr(mod, "group_start", start)  # noqa: B010

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,18 +65,14 @@ async def start_with_cache(cfg: EngineConfig) -> tuple[Executor, int]:
     return ex, num_blocks
 
 
-@pytest.mark.parametrize(("arch", "kind", "ranks"), CASES, ids=[f"{a}-{k}{n}" for a, k, n in CASES])
-async def test_greedy_equals_hf_generate(
-    tiny_models: dict[str, Path], arch: str, kind: ExecutorKind, ranks: int
-) -> None:
-    reqs = workload(seed=len(arch))
-    refs = hf_greedy(
-        tiny_models[arch], [r.prompt for r in reqs], max_new_tokens=max(r.max_tokens for r in reqs)
-    )
-    ex, num_blocks = await start_with_cache(config(tiny_models[arch], kind, ranks))
+async def run_and_compare(model: Path, cfg: EngineConfig, seed: int) -> tuple[Driver, list[Any], int]:
+    """The workload through the executor against HF greedy, token for token; (driver, runner stats,
+    KV blocks). 16 usable blocks (block 0 is the null block): too few for all requests at once, so blocks
+    are reused and running requests are preempted."""
+    reqs = workload(seed)
+    refs = hf_greedy(model, [r.prompt for r in reqs], max_new_tokens=max(r.max_tokens for r in reqs))
+    ex, num_blocks = await start_with_cache(cfg)
     try:
-        # 16 usable blocks (block 0 is the null block): too few for all requests at once, so blocks are
-        # reused and running requests are preempted
         driver = Driver(ex, num_blocks=17, block_size=BLOCK, budget=16, max_seqs=8)
         for r in reqs:
             driver.add(r)
@@ -83,13 +80,22 @@ async def test_greedy_equals_hf_generate(
         stats = await ex.collective_rpc("get_runner_stats")
     finally:
         await ex.shutdown()
+    for r, ref in zip(reqs, refs, strict=True):
+        want = ref[: r.max_tokens]
+        assert got[r.req_id][: len(want)] == want, f"{r.req_id} (prompt of {len(r.prompt)} tokens) diverged"
+    return driver, stats, num_blocks
+
+
+@pytest.mark.parametrize(("arch", "kind", "ranks"), CASES, ids=[f"{a}-{k}{n}" for a, k, n in CASES])
+async def test_greedy_equals_hf_generate(
+    tiny_models: dict[str, Path], arch: str, kind: ExecutorKind, ranks: int
+) -> None:
+    model = tiny_models[arch]
+    driver, stats, num_blocks = await run_and_compare(model, config(model, kind, ranks), seed=len(arch))
     assert all(s["graph_steps"] > 0 for s in stats), "graph mode (the default) never replayed"
     assert num_blocks >= 17
     assert driver.max_blocks_in_use <= 16
     assert driver.num_preemptions > 0 and driver.mixed_steps > 0 and driver.chunked > 0
-    for r, ref in zip(reqs, refs, strict=True):
-        want = ref[: r.max_tokens]
-        assert got[r.req_id][: len(want)] == want, f"{r.req_id} (prompt of {len(r.prompt)} tokens) diverged"
 
 
 async def test_a_single_capture_size_of_one_starts_and_equals_hf_generate(
@@ -97,22 +103,9 @@ async def test_a_single_capture_size_of_one_starts_and_equals_hf_generate(
 ) -> None:
     """Start-up also warms the kernel mixed steps' decode rows use (2 rows and 1): that must work when
     only batches of one are captured."""
-    reqs = workload(seed=1)
-    refs = hf_greedy(
-        tiny_models["llama"], [r.prompt for r in reqs], max_new_tokens=max(r.max_tokens for r in reqs)
-    )
-    ex, _ = await start_with_cache(config(tiny_models["llama"], "uni", 1, cudagraph_capture_sizes=(1,)))
-    try:
-        driver = Driver(ex, num_blocks=17, block_size=BLOCK, budget=16, max_seqs=8)
-        for r in reqs:
-            driver.add(r)
-        got = await driver.run()
-        stats = await ex.collective_rpc("get_runner_stats")
-    finally:
-        await ex.shutdown()
+    model = tiny_models["llama"]
+    _, stats, _ = await run_and_compare(model, config(model, "uni", 1, cudagraph_capture_sizes=(1,)), seed=1)
     assert stats[0]["graph_steps"] > 0
-    for r, ref in zip(reqs, refs, strict=True):
-        assert got[r.req_id][: r.max_tokens] == ref[: r.max_tokens], r.req_id
 
 
 async def test_gpt2_with_two_ranks_fails_at_start_naming_the_architecture(

@@ -63,6 +63,7 @@ class AttentionMetadata:
     profiling: bool = False
     graph: bool = False  # a compiled decode step: the custom op, caches from the modules' buffers
     inplace_decode: bool = False  # decode rows through the compiled in-place kernel
+    layer_code: Any = None  # graph: the compiled layer's code to call without dynamo's guards (cpu_graph)
     seen: dict[int, tuple[int, int, torch.dtype]] = field(default_factory=dict)
     modules: dict[int, torch.nn.Module] = field(default_factory=dict)  # each layer's attention module
     calls: int = 0

@@ -78,7 +78,14 @@ class ModelRunner:
         self.graphs: Any = None  # a CUDAGraphRunner or CPUGraphRunner once captured
         self.inplace_decode = False  # eager decode rows use the compiled in-place kernel (CPU graph mode)
         self.attention_modules: dict[int, torch.nn.Module] = {}
-        self.stats = {"steps": 0, "graph_steps": 0, "forward_s": 0.0, "sample_s": 0.0, "execute_s": 0.0}
+        self.stats = {
+            "steps": 0,
+            "graph_steps": 0,
+            "guard_free_steps": 0,
+            "forward_s": 0.0,
+            "sample_s": 0.0,
+            "execute_s": 0.0,
+        }
 
     # ----- loading --------------------------------------------------------------------------------
 

@@ -152,7 +152,8 @@ class Worker:
 
     def get_runner_stats(self) -> dict[str, float]:
         """Cumulative step counts and times: `graph_steps` replayed a captured or compiled graph,
-        `forward_s` is the model forward alone."""
+        `guard_free_steps` of them called the compiled code without dynamo's guards (CPU), `forward_s` is
+        the model forward alone."""
         return dict(self._runner("get_runner_stats").stats)
 
     def get_model_info(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ join mid-stream and finish early (their blocks are reused), and a KV cache too s
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -126,3 +127,30 @@ async def test_an_architecture_without_the_attention_interface_is_refused(tmp_pa
     ex = Executor.create(config(tmp_path / "falcon", "uni", 1))
     with pytest.raises(WorkerStartupError, match="FalconForCausalLM cannot run on asyncexec"):
         await ex.start()
+
+
+async def test_layers_that_compile_differently_keep_dynamos_guards_and_equal_hf_generate(
+    tmp_path: Path,
+) -> None:
+    """Qwen2 with a sliding window on some layers only: those layers' graphs differ from the others', so
+    no step may call one compiled entry for every layer without dynamo's guards (the window would apply
+    to the wrong layers, and contexts past it would diverge from HF)."""
+    from asyncexec.models import make_tiny_model
+
+    model = make_tiny_model(
+        tmp_path / "qwen2-mixed", "qwen2", use_sliding_window=True, sliding_window=6, max_window_layers=1
+    )
+    layer_types = json.loads((model / "config.json").read_text())["layer_types"]
+    assert len(set(layer_types)) == 2, layer_types
+    _, stats, _ = await run_and_compare(model, config(model, "uni", 1), seed=5)
+    assert stats[0]["graph_steps"] > 0
+    assert stats[0]["guard_free_steps"] == 0
+
+
+async def test_graph_steps_call_the_compiled_layers_without_dynamos_guards(
+    tiny_models: dict[str, Path],
+) -> None:
+    model = tiny_models["llama"]
+    _, stats, _ = await run_and_compare(model, config(model, "uni", 1), seed=2)
+    assert stats[0]["graph_steps"] > 0
+    assert stats[0]["guard_free_steps"] == stats[0]["graph_steps"]

@@ -1,5 +1,6 @@
 """Every `nn.Linear` of a model (lm_head included) once, at M rows: plain bf16 (or float32) `F.linear`,
-the oneDNN-packed weight asyncexec uses (`mkldnn._linear_pointwise`), and int8 weight-only
+the oneDNN-packed weight asyncexec uses (`mkldnn._linear_pointwise`; on a CPU where oneDNN has no bf16
+GEMM, the packed float32 copy on upcast activations that asyncexec uses there), and int8 weight-only
 (`aten._weight_int8pack_mm`, per-channel scales). Median ms of the whole set, per M, in one process.
 
 Usage: python scripts/probe_linear.py [--model smollm2] [--dtype bfloat16] [--rows 1 4 8 32 512]
@@ -35,18 +36,21 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from asyncexec.model_registry import resolve_model
-    from asyncexec.worker.quantization import quantize_weight
+    from asyncexec.worker.quantization import can_pack, quantize_weight
 
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=dtype)
     lins = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     print(f"{len(lins)} linears, {sum(m.weight.numel() for m in lins) / 1e6:.1f} M weights, {args.dtype}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
+    upcast = not can_pack(dtype)  # asyncexec's choice on this CPU (quantization.py)
+    if upcast:
+        print(f"oneDNN has no {args.dtype} GEMM on this CPU: 'packed' is the float32 copy on upcast rows")
     head = ["rows", "plain ms", "packed ms", "int8 ms", "packed/plain", "int8/packed"]
     print(" ".join(f"{h:>12s}" for h in head))
     with torch.inference_mode():
         ws = [(m.weight, m.bias) for m in lins]
-        packed = [(torch.ops.mkldnn._reorder_linear_weight(w, 1), b) for w, b in ws]
+        packed = [(torch.ops.mkldnn._reorder_linear_weight(w.float() if upcast else w, 1), b) for w, b in ws]
         quant = [(*quantize_weight(w), b) for w, b in ws]
         for rows in args.rows:
             xs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in lins}
@@ -57,7 +61,12 @@ def main() -> None:
 
             def onednn(xs: dict[int, torch.Tensor] = xs) -> None:
                 for (pw, b), (w, _) in zip(packed, ws, strict=True):
-                    torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], pw, b, "none", [], "")
+                    x = xs[w.shape[1]]
+                    if upcast:
+                        bias = None if b is None else b.float()
+                        torch.ops.mkldnn._linear_pointwise(x.float(), pw, bias, "none", [], "").to(dtype)
+                    else:
+                        torch.ops.mkldnn._linear_pointwise(x, pw, b, "none", [], "")
 
             def int8(xs: dict[int, torch.Tensor] = xs) -> None:
                 for q, s, _ in quant:

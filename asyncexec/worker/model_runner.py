@@ -24,6 +24,7 @@ from asyncexec.errors import ConfigError
 from asyncexec.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 from asyncexec.worker.attention import AttentionMetadata, register_attention
 from asyncexec.worker.input_batch import InputBatch, PreparedBatch
+from asyncexec.worker.int8_scales import activation_scales
 from asyncexec.worker.prompt_logprobs import PromptLogprobsRows
 from asyncexec.worker.quantization import check_quantization, pack_linears
 from asyncexec.worker.sampler import Sampler
@@ -134,7 +135,7 @@ class ModelRunner:
         self.model.eval()
         if self.device.type == "cpu" and (self.config.quantization or not self.config.enforce_eager):
             # after tensor-parallel sharding: each rank packs (and quantizes) its own shard
-            pack_linears(self.model, self.config.quantization)
+            pack_linears(self.model, self.config.quantization, input_scales=self._int8_scales(path))
         bs = self.config.block_size
         self.input_batch = InputBatch(
             self.config.max_num_batched_tokens,
@@ -142,6 +143,16 @@ class ModelRunner:
             math.ceil(self.max_model_len / bs),
             bs,
         )
+
+    def _int8_scales(self, path: str) -> dict[torch.nn.Linear, torch.Tensor] | None:
+        """int8's activation-aware scales (one calibration forward); plain int8 under tensor parallelism,
+        where each rank holds a shard of the activations."""
+        if self.config.quantization != "int8":
+            return None
+        if self.world_size > 1:
+            logger.info("int8 under tensor parallelism: plain per-channel scales (no calibration)")
+            return None
+        return activation_scales(self.model, path)
 
     def _dtype(self, hf_config: Any) -> torch.dtype:
         if self.config.dtype != "auto":

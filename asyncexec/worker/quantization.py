@@ -15,6 +15,13 @@ compiled decoder layers see as one opaque call and eager forwards call directly:
   speed and does not save memory. Activations, the KV cache and the logits stay in bf16; int8 needs
   dtype bfloat16 (with float32 activations the kernel is slower than packed float32 weights).
 
+- **float32 GEMMs for bf16 on CPUs without oneDNN bf16** (AVX2 only, no AVX-512 or AMX): PyTorch's bf16
+  matmul there is a slow fallback whose cost grows with the rows (measured on a 2-core AVX2 EPYC, all of
+  SmolLM2's linears: 22 ms at 1 row, 147 ms at 8, 571 ms at 32; float32 149 ms at 32). Steps of at most
+  `INT8_MAX_ROWS` rows keep the bf16 weights (a lone stream reads half the bytes), bigger ones run a
+  oneDNN-packed float32 copy on upcast activations, with the output in bf16 again. This costs memory: the
+  bf16 weights plus a float32 copy (with int8: int8 plus the float32 copy of the dequantized weights).
+
 The module's `weight` parameter becomes a stand-in: a stride-0 tensor of the weight's shape on a storage of
 one element (its data pointer keys the registry), so the layer graph keeps one shape per projection and
 the dense weight's memory is freed (a tied lm_head's embedding keeps its own).
@@ -25,6 +32,7 @@ from __future__ import annotations
 import logging
 import types
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +40,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from asyncexec.config import QUANTIZATIONS
 from asyncexec.errors import ConfigError
+from asyncexec.worker.int8_scales import dequantize, quantize_weight
 
 __all__ = [
     "INT8_MAX_ROWS",
@@ -50,9 +59,11 @@ INT8_MAX_ROWS = 4
 
 @dataclass
 class _Packed:
-    dense: torch.Tensor | None = None  # oneDNN-packed, in dtype (None: int8 serves every size)
+    dense: torch.Tensor | None = None  # oneDNN-packed, in dtype or float32 (None: int8 serves every size)
+    small: torch.Tensor | None = None  # upcast mode: the weight in dtype, for steps of few rows
     qweight: torch.Tensor | None = None  # int8 [N, K]
     scales: torch.Tensor | None = None  # [N], in dtype
+    inv_s: torch.Tensor | None = None  # [K], in dtype: activation-aware int8 divides the input by `s`
     bias: torch.Tensor | None = None  # a group's concatenated bias (a lone linear's comes with the call)
     group: _Group | None = None  # set on a member of a group: its columns of the group's output start
     start: int = 0  # at `start` (and are as many as its stand-in weight's rows)
@@ -92,12 +103,20 @@ _lib.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")  #
 
 def _matmul(x: torch.Tensor, p: _Packed, bias: torch.Tensor | None) -> torch.Tensor:
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if p.qweight is not None and (p.dense is None or x2.shape[0] <= INT8_MAX_ROWS):
-        assert p.scales is not None
-        y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), p.qweight, p.scales)
-        return y if bias is None else y + bias
+    y: torch.Tensor
+    if p.dense is None or x2.shape[0] <= INT8_MAX_ROWS:
+        if p.qweight is not None:
+            assert p.scales is not None
+            xq = x2.contiguous() if p.inv_s is None else x2 * p.inv_s
+            y = torch.ops.aten._weight_int8pack_mm(xq, p.qweight, p.scales)
+            return y if bias is None else y + bias
+        if p.small is not None:
+            return torch.nn.functional.linear(x2, p.small, bias)
     assert p.dense is not None
-    return torch.ops.mkldnn._linear_pointwise(x2, p.dense, bias, "none", [], "")  # type: ignore[no-any-return]
+    if p.dense.dtype == x2.dtype:
+        return torch.ops.mkldnn._linear_pointwise(x2, p.dense, bias, "none", [], "")  # type: ignore[no-any-return]
+    b32 = None if bias is None else bias.float()  # added before the one rounding, as bf16's matmul does
+    return torch.ops.mkldnn._linear_pointwise(x2.float(), p.dense, b32, "none", [], "").to(x2.dtype)  # type: ignore[no-any-return]
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -202,14 +221,6 @@ def check_quantization(method: str | None, device: torch.device, dtype: torch.dt
         )
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-output-channel symmetric int8: (q [N, K] int8, scales [N] in the weight's dtype)."""
-    w = weight.detach().float()
-    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-    return q, scales.to(weight.dtype)
-
-
 def can_pack(dtype: torch.dtype) -> bool:
     """Whether oneDNN packs and multiplies `dtype` weights on this CPU (bf16 needs AVX-512 or AMX)."""
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
@@ -247,13 +258,19 @@ def _groups(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
     return found
 
 
-def _pack(w: torch.Tensor, quantization: str | None, pack_dense: bool) -> _Packed:
+def _pack(
+    w: torch.Tensor, quantization: str | None, pack_dense: bool, upcast: bool, s: torch.Tensor | None = None
+) -> _Packed:
     packed = _Packed()
     if quantization == "int8":
-        packed.qweight, packed.scales = quantize_weight(w)
-        w = packed.qweight.to(w.dtype) * packed.scales[:, None]  # what int8 rows compute with
+        packed.qweight, packed.scales = quantize_weight(w, s)
+        if s is not None:
+            packed.inv_s = (1.0 / s).to(w.dtype)
+        w = dequantize(packed.qweight, packed.scales, s).to(w.dtype)  # what int8 rows compute with
+    elif upcast:
+        packed.small = w.contiguous()
     if pack_dense:
-        packed.dense = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        packed.dense = torch.ops.mkldnn._reorder_linear_weight(w.float() if upcast else w, 1)
     return packed
 
 
@@ -270,25 +287,39 @@ def _replace(mod: torch.nn.Linear, packed: _Packed) -> None:
 
 
 @torch.no_grad()
-def pack_linears(model: torch.nn.Module, quantization: str | None, pack_dense: bool = True) -> dict[str, int]:
-    """Route every `nn.Linear` of `model` through `asyncexec::packed_linear`; returns what it did."""
+def pack_linears(
+    model: torch.nn.Module,
+    quantization: str | None,
+    pack_dense: bool = True,
+    input_scales: Mapping[torch.nn.Linear, torch.Tensor] | None = None,
+) -> dict[str, int]:
+    """Route every `nn.Linear` of `model` through `asyncexec::packed_linear`; returns what it did.
+    `input_scales`: int8's activation-aware scales per linear (`int8_scales.activation_scales`)."""
+    act = input_scales or {}
     stats = {"linears": 0, "groups": 0, "bytes_before": 0, "bytes_after": 0}
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    if pack_dense and not can_pack(dtype):
+    upcast = pack_dense and not can_pack(dtype) and dtype != torch.float32 and can_pack(torch.float32)
+    if upcast:
+        logger.info("oneDNN has no %s GEMM on this CPU: steps of more than %d rows multiply in float32 "
+                    "(a float32 copy of the weights)", dtype, INT8_MAX_ROWS)  # fmt: skip
+    elif pack_dense and not can_pack(dtype):
         pack_dense = False  # int8 then serves every size; without int8 there is nothing to do
         logger.info("oneDNN cannot pack %s weights on this CPU: linears stay as they are", dtype)
         if quantization is None:
             return stats
 
     def count(w: torch.Tensor) -> None:
-        stats["bytes_before"] += w.numel() * w.element_size()
-        stats["bytes_after"] += (w.numel() * w.element_size() if pack_dense else 0) + (
-            w.numel() + w.shape[0] * w.element_size() if quantization else 0
+        n, size = w.numel(), w.element_size()
+        stats["bytes_before"] += n * size
+        stats["bytes_after"] += (n * (4 if upcast else size) if pack_dense else 0) + (
+            n + w.shape[0] * size if quantization else n * size if upcast else 0
         )
 
     for members in _groups(model):
         ws = [m.weight.detach() for m in members]
-        group_packed = _pack(torch.cat(ws), quantization, pack_dense)
+        s = act.get(members[0])
+        shared = all(act.get(m) is s for m in members)  # siblings' scales come from their one input
+        group_packed = _pack(torch.cat(ws), quantization, pack_dense, upcast, s if shared else None)
         if members[0].bias is not None:
             group_packed.bias = torch.cat([m.bias.detach() for m in members if m.bias is not None])
         starts = [sum(w.shape[0] for w in ws[:i]) for i in range(len(ws))]
@@ -312,7 +343,7 @@ def pack_linears(model: torch.nn.Module, quantization: str | None, pack_dense: b
         w = weight.detach()
         if hasattr(w, "to_local"):  # a DTensor of transformers' tensor parallelism: this rank's shard
             w = w.to_local()
-        _replace(module, _pack(w, quantization, pack_dense))
+        _replace(module, _pack(w, quantization, pack_dense, upcast, act.get(module)))
         count(w)
         stats["linears"] += 1
     if stats["linears"] == 0 and quantization is not None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from asyncexec import AsyncEngine, EngineConfig, SamplingParams
 
 SCIENCE = (
@@ -42,21 +40,53 @@ RIVER = (
     "the market is as busy as ever, and in summer visitors come to walk along the river and to see the "
     "bridge, the mill and the old church on the hill above the square."
 )
-TEXT = SCIENCE + RIVER  # about 520 tokens: one position is 0.2%
+KITCHEN = (
+    " Bread is one of the oldest prepared foods. Flour and water are mixed into a dough, which is left to "
+    "rise with yeast, baked in an oven and allowed to cool before it is cut. The yeast feeds on the sugars "
+    "in the flour and releases carbon dioxide, and the gas is trapped by the gluten, a network of proteins "
+    "that forms when the dough is kneaded. A loaf that is kneaded too little is dense and heavy; one that "
+    "rises for too long collapses in the oven. Bakers in the past kept a piece of each day's dough to start "
+    "the next batch, and many still do, because a starter that is fed every day gives bread a sour taste "
+    "and keeps it fresh for longer. In most towns the baker was up long before dawn, so that the first "
+    "loaves were ready when the shops opened, and the smell of baking drifted along the street. Today most "
+    "bread is made in large factories, where machines mix, divide and shape the dough and the loaves travel "
+    "through tunnel ovens on a moving belt, but small bakeries have become popular again in many cities. "
+    "Their customers say that the crust is better and that the bread has more flavour, and they are "
+    "willing to pay a little more for it. Some bakeries also sell cakes, pastries and pies, and a few "
+    "offer classes on Saturday mornings, where people learn to weigh the ingredients, to judge when a "
+    "dough has risen enough, and to shape a round loaf that holds its form in the heat of the oven."
+)
+TEXT = SCIENCE + RIVER + KITCHEN  # about 840 tokens: one position is 0.12%
 
 
-def _argmax_agreement(engine_lps: list[dict[int, float] | None], hf_logits: torch.Tensor) -> float:
-    # entry i (i >= 1) scores prompt token i given tokens < i: HF's row i - 1
-    pairs = [(max(lp, key=lp.__getitem__), int(hf_logits[i - 1].argmax())) for i, lp in enumerate(engine_lps)
-             if lp is not None]  # fmt: skip
-    return sum(a == b for a, b in pairs) / len(pairs)
+def _argmax_agreement(a: list[dict[int, float] | None], b: list[dict[int, float] | None]) -> float:
+    """Positions where two runs' prompt logprobs put the same token on top."""
+    pairs = [(max(x, key=x.__getitem__), max(y, key=y.__getitem__)) for x, y in zip(a, b, strict=True)
+             if x is not None and y is not None]  # fmt: skip
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+async def _score(ids: list[int], chat: list[int] | None, **cfg: Any) -> tuple[Any, Any, dict[str, float]]:
+    """(prompt logprobs of `ids`, the greedy answer to `chat`, rank 0's runner stats)."""
+    config = EngineConfig(
+        model="smollm2", executor="uni", dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=48 << 20,
+        cudagraph_capture_sizes=(1, 2), **cfg,
+    )  # fmt: skip
+    answer = scored = None
+    async with AsyncEngine(config) as engine:
+        async for out in engine.generate(ids, SamplingParams(max_tokens=0, prompt_logprobs=1)):
+            scored = out
+        if chat is not None:
+            async for out in engine.generate(chat, SamplingParams(temperature=0.0, max_tokens=32)):
+                answer = out
+        stats = (await engine.collective_rpc("get_runner_stats"))[0]
+    assert scored is not None and scored.prompt_logprobs is not None
+    return scored.prompt_logprobs, answer, stats
 
 
 async def test_int8_keeps_the_bf16_argmax_on_real_text_and_answers_paris(
     smollm2: Path, smollm2_tokenizer: Any
 ) -> None:
-    from transformers import AutoModelForCausalLM
-
     ids = smollm2_tokenizer.encode(TEXT)
     assert len(ids) >= 500
     chat = list(
@@ -65,23 +95,12 @@ async def test_int8_keeps_the_bf16_argmax_on_real_text_and_answers_paris(
             add_generation_prompt=True, tokenize=True, return_dict=False,
         )
     )  # fmt: skip
-    cfg = EngineConfig(
-        model="smollm2", executor="uni", dtype="bfloat16", quantization="int8", max_model_len=1024,
-        kv_cache_memory_bytes=48 << 20, cudagraph_capture_sizes=(1, 2),
-    )  # fmt: skip
-    async with AsyncEngine(cfg) as engine:
-        scored = None
-        async for out in engine.generate(ids, SamplingParams(max_tokens=0, prompt_logprobs=1)):
-            scored = out
-        answer = None
-        async for out in engine.generate(chat, SamplingParams(temperature=0.0, max_tokens=32)):
-            answer = out
-        stats = (await engine.collective_rpc("get_runner_stats"))[0]
-    assert scored is not None and scored.prompt_logprobs is not None and answer is not None
+    int8, answer, stats = await _score(ids, chat, quantization="int8")
+    assert answer is not None
     assert stats["graph_steps"] > 0, stats  # the answer decoded through the compiled int8 path
-    hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.bfloat16)
-    with torch.inference_mode():
-        logits = hf(torch.tensor([ids])).logits[0].float()
-    agreement = _argmax_agreement(scored.prompt_logprobs, logits)
+    # bf16 through the same engine: the same attention and kernels, so what differs is the quantization
+    # (HF's own bf16 forward differs from the engine's bf16 at 2.3% of these positions on an AVX2 CPU)
+    bf16, _, _ = await _score(ids, None)
+    agreement = _argmax_agreement(int8, bf16)
     assert agreement >= 0.95, f"int8 agrees with bf16's argmax at only {agreement:.1%} of positions"
     assert "Paris" in (answer.text or ""), answer.text

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from asyncexec import AsyncEngine, ConfigError, EngineConfig, SamplingParams, WorkerStartupError
-from asyncexec.worker.quantization import INT8_MAX_ROWS, pack_linears, quantize_weight
+from asyncexec.worker.quantization import INT8_MAX_ROWS, can_pack, pack_linears, quantize_weight
 
 
 def _linear(n: int, k: int, dtype: torch.dtype) -> torch.nn.Linear:
@@ -52,6 +52,8 @@ def test_int8_linear_computes_with_the_dequantized_weight_at_every_size(rows: in
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_linear_equals_the_plain_one_eager_and_compiled(dtype: torch.dtype) -> None:
+    if not can_pack(dtype):  # no AVX-512 or AMX: see test_where_onednn_cannot_pack_linears_stay_...
+        pytest.skip(f"oneDNN cannot pack {dtype} weights on this CPU")
     lin = _linear(48, 64, dtype)
     x = torch.randn(3, 64).to(dtype)
     with torch.inference_mode():
@@ -186,3 +188,34 @@ def test_where_onednn_cannot_pack_linears_stay_and_int8_serves_every_size(
     pack_linears(torch.nn.Sequential(lin), "int8")
     with torch.inference_mode():
         torch.testing.assert_close(lin(x).float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_without_onednn_bf16_bigger_steps_multiply_in_float32(
+    monkeypatch: pytest.MonkeyPatch, quantization: str | None
+) -> None:
+    """An AVX2 CPU: oneDNN packs float32 only. Steps of few rows keep the compact weights (bf16 or int8);
+    bigger ones run a packed float32 copy (bf16's own matmul there grows slow with the rows)."""
+    from asyncexec.worker import quantization as qmod
+
+    monkeypatch.setattr(qmod, "can_pack", lambda dtype: dtype == torch.float32)
+    lin = _linear(48, 64, torch.bfloat16)
+    w = lin.weight.detach().clone()
+    if quantization:
+        q, scales = quantize_weight(w)
+        w = q.to(torch.bfloat16) * scales[:, None]
+    b = lin.bias.detach().clone()
+    stats = pack_linears(torch.nn.Sequential(lin), quantization)
+    assert stats["linears"] == 1
+    packed = qmod._REGISTRY[lin.weight.data_ptr()]
+    assert packed.dense is not None and packed.dense.dtype == torch.float32
+    gen = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        small = torch.randn(INT8_MAX_ROWS, 64, generator=gen).to(torch.bfloat16)
+        big = torch.randn(37, 64, generator=gen).to(torch.bfloat16)
+        if quantization is None:  # the bf16 weights themselves, as plain bf16 computes
+            assert torch.equal(lin(small), torch.nn.functional.linear(small, w, b))
+        want = torch.nn.functional.linear(big.float(), w.float(), b.float()).bfloat16().float()
+        got = lin(big)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-2)

@@ -99,7 +99,10 @@ def activation_scales(model: Any, model_path: str) -> dict[torch.nn.Linear, torc
     handles = [m.register_forward_pre_hook(hook) for m in linears]
     attn = model.config._attn_implementation
     try:
-        model.set_attn_implementation("sdpa")  # the paged attention needs the engine's metadata
+        try:  # the paged attention needs the engine's metadata
+            model.set_attn_implementation("sdpa")
+        except (ValueError, ImportError):  # a model without SDPA support
+            model.set_attn_implementation("eager")
         ids = _calibration_ids(model_path, model.config.vocab_size).to(next(model.parameters()).device)
         model(input_ids=ids, use_cache=False)
     finally:

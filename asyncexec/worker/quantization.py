@@ -7,7 +7,8 @@ compiled decoder layers see as one opaque call and eager forwards call directly:
   constants. Our layer graph is shared by every layer, so weights are graph inputs, not constants, and
   freezing cannot apply; the op reads the packed weight from a registry instead.
 - **int8** (`EngineConfig(quantization="int8")`): every linear, lm_head included, is quantized at load,
-  in each worker after tensor-parallel sharding: symmetric, one scale per output channel. Steps of at most
+  in each worker after tensor-parallel sharding: symmetric, one scale per output channel, with
+  activation-aware input-channel scales (`int8_scales`: the input is divided by them). Steps of at most
   `INT8_MAX_ROWS` rows (a lone stream, a few streams) run PyTorch's int8 weight-pack kernel
   (`aten._weight_int8pack_mm`), which reads half the bytes of bf16. That kernel is slower than the packed
   bf16 GEMM from 8 rows up (2x at 32 rows, measured), so bigger steps use a packed bf16 copy of the

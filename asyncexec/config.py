@@ -20,13 +20,13 @@ __all__ = ["DeviceKind", "EngineConfig", "ExecutorKind"]
 ExecutorKind = Literal["uni", "mp", "ray"]
 DeviceKind = Literal["auto", "cpu", "cuda"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
-QuantizationName = Literal["int8"]
+QuantizationName = Literal["int8", "int4"]
 RayPlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 _EXECUTORS = ("uni", "mp", "ray")
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int8",)  # EngineConfig.quantization's names
+QUANTIZATIONS = ("int8", "int4")  # EngineConfig.quantization's names
 _EXTENSION_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 MiB = 1 << 20
 
@@ -69,9 +69,11 @@ class EngineConfig:
             `Worker.determine_available_memory`).
         gpu_memory_utilization: on CUDA, the share of the device's memory the rank may use in total.
         quantization: "int8" quantizes every linear layer's weights to int8 at load, per output channel
-            (`asyncexec.worker.quantization`; CPU and dtype bfloat16 only). Steps of up to 4 rows run
-            the int8 kernel, bigger ones a bf16 copy of the dequantized weights: faster for a few
-            streams, but more memory, not less (see the README). None keeps the weights in `dtype`.
+            (`asyncexec.worker.quantization`; CPU and dtype bfloat16 only). "int4": 4-bit weights with a
+            scale and a zero per 32 inputs (llama.cpp's Q4_1 layout), the lm_head in int8. Steps of up to
+            4 rows run the int8 or int4 kernel, bigger ones a bf16 copy of the dequantized weights: faster
+            for a few streams, but more memory, not less (see the README). None keeps the weights in
+            `dtype`.
         enforce_eager: run every step eager: no CUDA graphs, and on CPU no compiled decode graphs
             (`asyncexec.worker.cpu_graph`), in-place decode kernel or prepacked linears.
         cudagraph_capture_sizes: the decode batch sizes of graph mode (CUDA graphs, or compiled CPU

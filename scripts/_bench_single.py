@@ -11,7 +11,7 @@ In one run, each configuration in its own process:
   (the rest of the mean gap: the engine loop, the queue, waking the consumer). Non-model time is the mean
   gap minus the mean forward.
 - `batch32:<config>`: 32 concurrent streams (prompts 16-384, outputs 16-128): output tokens/s.
-Configs: bf16 eager, bf16 graph, int8 graph (and int8 eager, for the record).
+Configs: bf16 eager, bf16 graph, int8 graph, int4 graph (and int8 eager, for the record).
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "bf16_graph": {"dtype": "bfloat16"},
     "int8_graph": {"dtype": "bfloat16", "quantization": "int8"},
     "int8_eager": {"dtype": "bfloat16", "quantization": "int8", "enforce_eager": True},
+    "int4_graph": {"dtype": "bfloat16", "quantization": "int4"},
 }
+BATCH32 = ("bf16_graph", "int8_graph", "int4_graph")
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -196,12 +198,13 @@ def report(res: dict[str, Any]) -> None:
             + " |"
         )
     lone = {n: res.get(f"lone:{n}", {}).get("gap_p50_ms") for n in CONFIGS}
-    if lone.get("int8_graph") and lone.get("bf16_graph"):
-        print(f"\nint8 / bf16 lone-stream gap (graph mode): {lone['int8_graph'] / lone['bf16_graph']:.2f}x")
-    tput = {n: res.get(f"batch32:{n}", {}).get("tok_s") for n in ("bf16_graph", "int8_graph")}
-    if all(tput.values()):
-        print(f"32 streams: bf16 {tput['bf16_graph']:.1f} tok/s, int8 {tput['int8_graph']:.1f} tok/s "
-              f"({tput['int8_graph'] / tput['bf16_graph']:.2f}x)")  # fmt: skip
+    for q in ("int8", "int4"):
+        if lone.get(f"{q}_graph") and lone.get("bf16_graph"):
+            print(f"{q} / bf16 lone-stream gap (graph mode): {lone[f'{q}_graph'] / lone['bf16_graph']:.2f}x")
+    tput = {n: res.get(f"batch32:{n}", {}).get("tok_s") for n in BATCH32}
+    if tput["bf16_graph"]:
+        print("32 streams: " + ", ".join(f"{n} {v:.1f} tok/s ({v / tput['bf16_graph']:.2f}x)"
+                                         for n, v in tput.items() if v))  # fmt: skip
 
 
 def ratios(res: dict[str, Any]) -> dict[str, float]:
@@ -214,12 +217,14 @@ def ratios(res: dict[str, Any]) -> dict[str, float]:
 
     floor = get("floor", "floor_ms")
     gap = {c: get(f"lone:{c}", "gap_p50_ms") for c in CONFIGS}
-    tput = {c: get(f"batch32:{c}", "tok_s") for c in ("bf16_graph", "int8_graph")}
+    tput = {c: get(f"batch32:{c}", "tok_s") for c in BATCH32}
     return {
         "bf16_graph_gap / floor": gap["bf16_graph"] / floor,
         "bf16_eager_gap / floor": gap["bf16_eager"] / floor,
         "int8_graph_gap / bf16_graph_gap": gap["int8_graph"] / gap["bf16_graph"],
         "int8 / bf16 tok/s at 32 streams": tput["int8_graph"] / tput["bf16_graph"],
+        "int4_graph_gap / bf16_graph_gap": gap["int4_graph"] / gap["bf16_graph"],
+        "int4 / bf16 tok/s at 32 streams": tput["int4_graph"] / tput["bf16_graph"],
         "bf16_graph non-model ms": get("lone:bf16_graph", "non_model_ms"),
     }  # fmt: skip
 

@@ -10,11 +10,11 @@ after an HF model ran in the same process was measured 1.7x slower), for every `
 Reports output tokens/s and its ratios to both HF peers, TTFT and ITL p50/p99, engine overhead (share of
 step time that is not rank 0's model forward), and how many outputs agree token for token with HF static
 batching up to the first EOS (in bfloat16, greedy output depends on the batch: expect some to differ).
-`--quantization int8` runs the asyncexec peers with int8 weights (the HF peers stay in dtype).
+`--quantization int8|int4` runs the asyncexec peers with those weights (the HF peers stay in dtype).
 `--breakdown`: also the per-step breakdown of a decode step (GEMM, attention, everything else) at 8
 and 32 sequences, eager and graph mode, for each `--dtype` (`bench_graph.py --what breakdown`).
 `--single-stream`: the lone-stream benchmark instead (see `_bench_single.py`): the matmul floor, a lone
-stream's gap, TTFT and per-step breakdown for bf16 eager, bf16 graph and int8, and 32-stream throughput.
+stream's gap, TTFT and per-step breakdown for bf16 eager, bf16 graph, int8 and int4, and 32-stream throughput.
 Writes JSON. Usage: python scripts/bench_engine.py [--model NAME|DIR] [--dtype float32 bfloat16]
 [--requests N] [--peers ...] [--quantization int8] [--quick] | --single-stream [--streams N]
 """
@@ -31,6 +31,8 @@ from typing import Any
 
 from _bench_common import TEXT as TEXT  # bench_serve.py imports it from here
 from _bench_common import Work, child_main, pct, progress, run_isolated, workload, write_json
+
+from asyncexec.config import QUANTIZATIONS
 
 PEERS = ["hf_static", "hf_generate_batch", "uni1", "mp1", "uni1_eager"]
 TINY = os.path.join(".cache", "bench-llama")
@@ -170,7 +172,9 @@ def main() -> None:
     ap.add_argument("--peers", nargs="+", default=PEERS, choices=PEERS)
     ap.add_argument("--requests", type=int, default=64, help="number of requests (default 64)")
     ap.add_argument("--quick", action="store_true", help="16 shorter requests on a tiny random llama")
-    ap.add_argument("--quantization", choices=["int8"], help="the asyncexec peers' weights (HF peers: dtype)")
+    ap.add_argument(
+        "--quantization", choices=QUANTIZATIONS, help="the asyncexec peers' weights (HF peers: dtype)"
+    )
     ap.add_argument("--breakdown", action="store_true", help="also the per-step breakdown (bench_graph)")
     ap.add_argument("--single-stream", action="store_true", help="the lone-stream benchmark instead")
     ap.add_argument("--streams", type=int, default=3, help="--single-stream: lone streams per config")
@@ -238,7 +242,7 @@ def single_stream(args: argparse.Namespace, model: str, tokenizer: Any) -> None:
     import _bench_single as single
 
     jobs = [("floor", "floor", "")] + [(f"lone:{c}", "lone", c) for c in single.CONFIGS]
-    jobs += [(f"batch32:{c}", "batch32", c) for c in ("bf16_graph", "int8_graph")]
+    jobs += [(f"batch32:{c}", "batch32", c) for c in single.BATCH32]
     rounds: list[dict[str, Any]] = []
     path = args.json or "bench-results/bench_engine_single.json"
     for i in range(args.rounds):

@@ -41,6 +41,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from asyncexec.config import QUANTIZATIONS
 from asyncexec.errors import ConfigError
+from asyncexec.worker.int4 import INT4_GROUP, dequantize_int4, int4_fits, quantize_int4
 from asyncexec.worker.int8_scales import dequantize, quantize_weight
 
 __all__ = [
@@ -65,6 +66,8 @@ class _Packed:
     qweight: torch.Tensor | None = None  # int8 [N, K]
     scales: torch.Tensor | None = None  # [N], in dtype
     inv_s: torch.Tensor | None = None  # [K], in dtype: activation-aware int8 divides the input by `s`
+    q4: torch.Tensor | None = None  # int4: the kernel's packed weight
+    sz: torch.Tensor | None = None  # int4: scales and zeros [K / INT4_GROUP, N, 2], in dtype
     bias: torch.Tensor | None = None  # a group's concatenated bias (a lone linear's comes with the call)
     group: _Group | None = None  # set on a member of a group: its columns of the group's output start
     start: int = 0  # at `start` (and are as many as its stand-in weight's rows)
@@ -106,6 +109,9 @@ def _matmul(x: torch.Tensor, p: _Packed, bias: torch.Tensor | None) -> torch.Ten
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     y: torch.Tensor
     if p.dense is None or x2.shape[0] <= INT8_MAX_ROWS:
+        if p.q4 is not None:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), p.q4, INT4_GROUP, p.sz)
+            return y if bias is None else y + bias
         if p.qweight is not None:
             assert p.scales is not None
             xq = x2.contiguous() if p.inv_s is None else x2 * p.inv_s
@@ -207,12 +213,12 @@ def _install(mod: torch.nn.Linear) -> None:
 
 
 def check_quantization(method: str | None, device: torch.device, dtype: torch.dtype) -> None:
-    """Refuse, before any weight is touched, what the int8 kernel does not run on."""
+    """Refuse, before any weight is touched, what the int8 and int4 kernels do not run on."""
     if method is None:
         return
     if device.type != "cpu":
         raise ConfigError(
-            f"quantization={method!r} runs on CPU only (PyTorch's int8 weight-pack kernel); this rank's "
+            f"quantization={method!r} runs on CPU only (PyTorch's {method} weight-pack kernel); this rank's "
             f"device is {device.type}. Use quantization=None there."
         )
     if dtype != torch.bfloat16:
@@ -260,10 +266,18 @@ def _groups(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
 
 
 def _pack(
-    w: torch.Tensor, quantization: str | None, pack_dense: bool, upcast: bool, s: torch.Tensor | None = None
+    w: torch.Tensor,
+    quantization: str | None,
+    pack_dense: bool,
+    upcast: bool,
+    s: torch.Tensor | None = None,
+    lm_head: bool = False,
 ) -> _Packed:
     packed = _Packed()
-    if quantization == "int8":
+    if quantization == "int4" and not lm_head and int4_fits(w):
+        packed.q4, packed.sz = quantize_int4(w)
+        w = dequantize_int4(w).to(w.dtype)  # what int4 rows compute with
+    elif quantization is not None:  # int8, and int4's lm_head and linears of odd widths
         packed.qweight, packed.scales = quantize_weight(w, s)
         if s is not None:
             packed.inv_s = (1.0 / s).to(w.dtype)
@@ -297,7 +311,9 @@ def pack_linears(
     """Route every `nn.Linear` of `model` through `asyncexec::packed_linear`; returns what it did.
     `input_scales`: int8's activation-aware scales per linear (`int8_scales.activation_scales`)."""
     act = input_scales or {}
-    stats = {"linears": 0, "groups": 0, "bytes_before": 0, "bytes_after": 0}
+    stats = {"linears": 0, "groups": 0, "int4": 0, "bytes_before": 0, "bytes_after": 0}
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     upcast = pack_dense and not can_pack(dtype) and dtype != torch.float32 and can_pack(torch.float32)
     if upcast:
@@ -309,12 +325,16 @@ def pack_linears(
         if quantization is None:
             return stats
 
-    def count(w: torch.Tensor) -> None:
+    def count(w: torch.Tensor, p: _Packed, share: float = 1.0) -> None:
+        """`share`: a group member's part of the group's quantized weight."""
         n, size = w.numel(), w.element_size()
         stats["bytes_before"] += n * size
+        tensors = (p.q4, p.sz, p.qweight, p.scales)
+        quantized = int(share * sum(t.numel() * t.element_size() for t in tensors if t is not None))
         stats["bytes_after"] += (n * (4 if upcast else size) if pack_dense else 0) + (
-            n + w.shape[0] * size if quantization else n * size if upcast else 0
+            quantized if quantization else n * size if upcast else 0
         )
+        stats["int4"] += p.q4 is not None
 
     for members in _groups(model):
         ws = [m.weight.detach() for m in members]
@@ -334,7 +354,7 @@ def pack_linears(
             setattr(mod, "group_width", sum(w.shape[0] for w in ws))  # noqa: B010
             setattr(mod, "group_start", start)  # noqa: B010
             mod.forward = types.MethodType(_group_forward, mod)  # type: ignore[method-assign]
-            count(w)
+            count(w, group_packed, w.shape[0] / sum(v.shape[0] for v in ws))
         stats["linears"] += len(members)
         stats["groups"] += 1
     for module in model.modules():
@@ -344,8 +364,9 @@ def pack_linears(
         w = weight.detach()
         if hasattr(w, "to_local"):  # a DTensor of transformers' tensor parallelism: this rank's shard
             w = w.to_local()
-        _replace(module, _pack(w, quantization, pack_dense, upcast, act.get(module)))
-        count(w)
+        packed = _pack(w, quantization, pack_dense, upcast, act.get(module), lm_head=module is head)
+        _replace(module, packed)
+        count(w, packed)
         stats["linears"] += 1
     if stats["linears"] == 0 and quantization is not None:
         raise ConfigError(

@@ -1,9 +1,11 @@
-"""int8 weight-only on the real model: it must keep the model's answers (a guard that can fail)."""
+"""int8 and int4 weight-only on the real model: they must keep the model's answers (a guard that can fail)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from asyncexec import AsyncEngine, EngineConfig, SamplingParams
 
@@ -84,8 +86,9 @@ async def _score(ids: list[int], chat: list[int] | None, **cfg: Any) -> tuple[An
     return scored.prompt_logprobs, answer, stats
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
 async def test_int8_keeps_the_bf16_argmax_on_real_text_and_answers_paris(
-    smollm2: Path, smollm2_tokenizer: Any
+    smollm2: Path, smollm2_tokenizer: Any, quantization: str
 ) -> None:
     ids = smollm2_tokenizer.encode(TEXT)
     assert len(ids) >= 500
@@ -95,12 +98,12 @@ async def test_int8_keeps_the_bf16_argmax_on_real_text_and_answers_paris(
             add_generation_prompt=True, tokenize=True, return_dict=False,
         )
     )  # fmt: skip
-    int8, answer, stats = await _score(ids, chat, quantization="int8")
+    quantized, answer, stats = await _score(ids, chat, quantization=quantization)
     assert answer is not None
-    assert stats["graph_steps"] > 0, stats  # the answer decoded through the compiled int8 path
+    assert stats["graph_steps"] > 0, stats  # the answer decoded through the compiled quantized path
     # bf16 through the same engine: the same attention and kernels, so what differs is the quantization
     # (HF's own bf16 forward differs from the engine's bf16 at 2.3% of these positions on an AVX2 CPU)
     bf16, _, _ = await _score(ids, None)
-    agreement = _argmax_agreement(int8, bf16)
-    assert agreement >= 0.95, f"int8 agrees with bf16's argmax at only {agreement:.1%} of positions"
+    agreement = _argmax_agreement(quantized, bf16)
+    assert agreement >= 0.95, f"{quantization} agrees with bf16's argmax at only {agreement:.1%} of positions"
     assert "Paris" in (answer.text or ""), answer.text

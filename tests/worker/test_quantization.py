@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from asyncexec import AsyncEngine, ConfigError, EngineConfig, SamplingParams, WorkerStartupError
+from asyncexec.worker.int4 import dequantize_int4
 from asyncexec.worker.quantization import INT8_MAX_ROWS, can_pack, pack_linears, quantize_weight
 
 
@@ -119,8 +120,8 @@ def test_sibling_projections_run_as_one_gemm_and_equal_the_separate_ones(
 
 
 def test_unknown_quantization_is_refused_with_the_supported_list() -> None:
-    with pytest.raises(ConfigError, match=r"quantization='int4'.*supported.*'int8'"):
-        EngineConfig(model="m", quantization="int4")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"quantization='fp8'.*supported.*'int8', 'int4'"):
+        EngineConfig(model="m", quantization="fp8")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -134,41 +135,54 @@ async def test_int8_refuses_other_dtypes_at_start_up_naming_bfloat16(
             pass
 
 
-def _reference_logprobs(path: Path, ids: list[int]) -> torch.Tensor:
-    """HF in float32 with every linear's weight replaced by its int8 round trip: log-probs [T, V]."""
+def _reference_logprobs(path: Path, ids: list[int], quantization: str) -> torch.Tensor:
+    """HF in float32 with every linear's weight replaced by its int8 round trip (int4: the linears' int4
+    round trip, the lm_head's int8 one): log-probs [T, V]."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
-        for mod in model.modules():
+        for name, mod in model.named_modules():
             if isinstance(mod, torch.nn.Linear):
-                q, s = quantize_weight(mod.weight.to(torch.bfloat16))
+                w = mod.weight.to(torch.bfloat16)
+                if quantization == "int4" and name != "lm_head":
+                    mod.weight = torch.nn.Parameter(dequantize_int4(w))
+                    continue
+                q, s = quantize_weight(w)
                 mod.weight = torch.nn.Parameter(q.float() * s.float()[:, None])  # unties a tied lm_head
         logprobs: torch.Tensor = model(torch.tensor([ids])).logits[0].log_softmax(-1)
         return logprobs
 
 
-@pytest.mark.parametrize(("kind", "tp", "eager"), [("uni", 1, False), ("uni", 1, True), ("mp", 2, False)])
+@pytest.mark.parametrize(
+    ("kind", "tp", "eager", "quantization"),
+    [("uni", 1, False, "int8"), ("uni", 1, True, "int8"), ("mp", 2, False, "int8"), ("uni", 1, False, "int4"),
+     ("uni", 1, True, "int4")],
+)  # fmt: skip
 async def test_int8_engine_scores_like_hf_with_the_dequantized_weights(
-    tiny_models: dict[str, Path], kind: str, tp: int, eager: bool
+    tiny_models: dict[str, Path], kind: str, tp: int, eager: bool, quantization: str
 ) -> None:
     """Graph mode and eager, one rank and two (each rank quantizes its own shard, and both agree)."""
     path = tiny_models["llama"]
     ids = [(i * 37 + 11) % 250 + 3 for i in range(40)]
     cfg = EngineConfig(
-        model=str(path), executor=kind, tensor_parallel_size=tp, dtype="bfloat16", quantization="int8",  # type: ignore[arg-type]
+        model=str(path), executor=kind, tensor_parallel_size=tp, dtype="bfloat16", quantization=quantization,  # type: ignore[arg-type]
         enforce_eager=eager, block_size=4, max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20,
         cudagraph_capture_sizes=(1, 2, 4), check_rank_agreement=tp > 1,
     )  # fmt: skip
-    sp = SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=0, logprobs=0, ignore_eos=True)
     async with AsyncEngine(cfg) as engine:
         outs = [o async for o in engine.generate(ids, sp)]
         stats = (await engine.collective_rpc("get_runner_stats"))[0]
     assert (stats["graph_steps"] > 0) is not eager, stats
-    got = outs[-1].prompt_logprobs
-    assert got is not None
-    ref = _reference_logprobs(path, ids)
+    got, out = outs[-1].prompt_logprobs, outs[-1]
+    assert got is not None and out.logprobs is not None
+    full = ids + list(out.token_ids)
+    ref = _reference_logprobs(path, full, quantization)
+    # the prompt: prefill steps (the dequantized copy); the output: one-row decode steps (the int kernels)
     diffs = [abs(got[i][ids[i]] - float(ref[i - 1, ids[i]])) for i in range(1, len(ids))]  # type: ignore[index]
+    for j, (t, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        diffs.append(abs(lp[t] - float(ref[len(ids) + j - 1, t])))
     # bf16 activations against a float32 reference: close; with a per-shard scale (tp=2) a little less
     assert max(diffs) < (0.1 if tp == 1 else 0.2), max(diffs)
 

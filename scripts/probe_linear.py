@@ -1,12 +1,11 @@
 """Every `nn.Linear` of a model (lm_head included) once, at M rows: plain bf16 (or float32) `F.linear`,
 the oneDNN-packed weight asyncexec uses (`mkldnn._linear_pointwise`; on a CPU where oneDNN has no bf16
 GEMM, the packed float32 copy on upcast activations that asyncexec uses there), and int8 weight-only
-(`aten._weight_int8pack_mm`, per-channel scales), and, to decide whether int4 is worth building, int4
-weight-only (`aten._weight_int4pack_mm_for_cpu`, asymmetric, one scale and zero per `--int4-group`
-inputs). Median ms of the whole set, per M, in one process.
+(`aten._weight_int8pack_mm`, per-channel scales), and int4
+weight-only as asyncexec quantizes it (`aten._weight_int4pack_mm_for_cpu`, a scale and a zero per 32
+inputs; `asyncexec.worker.int4`). Median ms of the whole set, per M, in one process.
 
 Usage: python scripts/probe_linear.py [--model smollm2] [--dtype bfloat16] [--rows 1 4 8 32 512]
-       [--int4-group 32]
 """
 
 from __future__ import annotations
@@ -30,28 +29,16 @@ def bench(fn: Callable[[], object], reps: int = 30) -> float:
     return statistics.median(times) * 1e3
 
 
-def int4_pack(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed int4 weight, scales and zeros [K / group, N, 2]) for `_weight_int4pack_mm_for_cpu`."""
-    n, k = w.shape
-    wg = w.float().reshape(n, k // group, group)
-    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
-    scale = ((hi - lo) / 15).clamp(min=1e-8)
-    q = torch.round((wg - lo) / scale).clamp(0, 15).to(torch.int32).reshape(n, k)
-    zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
-    sz = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], -1).transpose(0, 1).contiguous().to(w.dtype)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 32, 512])
-    ap.add_argument("--int4-group", type=int, default=32, help="inputs per int4 scale and zero")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
     from asyncexec.model_registry import resolve_model
+    from asyncexec.worker.int4 import INT4_GROUP, quantize_int4
     from asyncexec.worker.quantization import can_pack, quantize_weight
 
     dtype = getattr(torch, args.dtype)
@@ -68,7 +55,7 @@ def main() -> None:
         ws = [(m.weight, m.bias) for m in lins]
         packed = [(torch.ops.mkldnn._reorder_linear_weight(w.float() if upcast else w, 1), b) for w, b in ws]
         quant = [(*quantize_weight(w), b) for w, b in ws]
-        quant4 = [int4_pack(w, args.int4_group) for w, _ in ws]
+        quant4 = [quantize_int4(w)[:2] for w, _ in ws]
         for rows in args.rows:
             xs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in lins}
 
@@ -91,7 +78,7 @@ def main() -> None:
 
             def int4(xs: dict[int, torch.Tensor] = xs) -> None:
                 for (pw, sz), (w, _) in zip(quant4, ws, strict=True):
-                    torch.ops.aten._weight_int4pack_mm_for_cpu(xs[w.shape[1]], pw, args.int4_group, sz)
+                    torch.ops.aten._weight_int4pack_mm_for_cpu(xs[w.shape[1]], pw, INT4_GROUP, sz)
 
             a, p, q8, q4 = bench(plain), bench(onednn), bench(int8, 10), bench(int4, 10)
             print(" ".join(f"{v:12.2f}" for v in (rows, a, p, q8, q4, p / a, q8 / p, q4 / q8)))

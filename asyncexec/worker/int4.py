@@ -32,16 +32,20 @@ def _codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return q, scale, zero
 
 
-def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the kernel's packed int4 weight, scales and zeros [K / INT4_GROUP, N, 2] in the weight's dtype)."""
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the kernel's packed int4 weight, scales and zeros [K / INT4_GROUP, N, 2] in the weight's dtype,
+    the float32 weight the int4 matmul computes with)."""
     n, k = weight.shape
     q, scale, zero = _codes(weight)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).reshape(n, k), 1)
     sz = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).transpose(0, 1).contiguous()
-    return packed, sz.to(weight.dtype)
+    return packed, sz.to(weight.dtype), _dequantize(q, scale, zero).reshape(n, k)
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return (q - 8) * scale + zero
 
 
 def dequantize_int4(weight: torch.Tensor) -> torch.Tensor:
     """The float32 weight the int4 matmul computes with for `weight`."""
-    q, scale, zero = _codes(weight)
-    return ((q - 8) * scale + zero).reshape(weight.shape)
+    return _dequantize(*_codes(weight)).reshape(weight.shape)

@@ -41,7 +41,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from asyncexec.config import QUANTIZATIONS
 from asyncexec.errors import ConfigError
-from asyncexec.worker.int4 import INT4_GROUP, dequantize_int4, int4_fits, quantize_int4
+from asyncexec.worker.int4 import INT4_GROUP, int4_fits, quantize_int4
 from asyncexec.worker.int8_scales import dequantize, quantize_weight
 
 __all__ = [
@@ -275,8 +275,8 @@ def _pack(
 ) -> _Packed:
     packed = _Packed()
     if quantization == "int4" and not lm_head and int4_fits(w):
-        packed.q4, packed.sz = quantize_int4(w)
-        w = dequantize_int4(w).to(w.dtype)  # what int4 rows compute with
+        packed.q4, packed.sz, dequantized = quantize_int4(w)
+        w = dequantized.to(w.dtype)  # what int4 rows compute with
     elif quantization is not None:  # int8, and int4's lm_head and linears of odd widths
         packed.qweight, packed.scales = quantize_weight(w, s)
         if s is not None:
@@ -326,13 +326,11 @@ def pack_linears(
             return stats
 
     def count(w: torch.Tensor, p: _Packed, share: float = 1.0) -> None:
-        """`share`: a group member's part of the group's quantized weight."""
-        n, size = w.numel(), w.element_size()
-        stats["bytes_before"] += n * size
-        tensors = (p.q4, p.sz, p.qweight, p.scales)
-        quantized = int(share * sum(t.numel() * t.element_size() for t in tensors if t is not None))
-        stats["bytes_after"] += (n * (4 if upcast else size) if pack_dense else 0) + (
-            quantized if quantization else n * size if upcast else 0
+        """`share`: a group member's part of the group's weights."""
+        stats["bytes_before"] += w.numel() * w.element_size()
+        tensors = (p.dense, p.small, p.qweight, p.scales, p.inv_s, p.q4, p.sz)
+        stats["bytes_after"] += int(
+            share * sum(t.numel() * t.element_size() for t in tensors if t is not None)
         )
         stats["int4"] += p.q4 is not None
 

@@ -11,7 +11,8 @@ In one run, each configuration in its own process:
   (the rest of the mean gap: the engine loop, the queue, waking the consumer). Non-model time is the mean
   gap minus the mean forward.
 - `batch32:<config>`: 32 concurrent streams (prompts 16-384, outputs 16-128): output tokens/s.
-Configs: bf16 eager, bf16 graph, int8 graph, int4 graph (and int8 eager, for the record).
+Configs: bf16 eager, bf16 graph, int8 graph, int4 graph (and int8 eager, and int8 graph with PyTorch's
+int8 kernel instead of asyncexec's, for the record).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "bf16_eager": {"dtype": "bfloat16", "enforce_eager": True},
     "bf16_graph": {"dtype": "bfloat16"},
     "int8_graph": {"dtype": "bfloat16", "quantization": "int8"},
+    # the same with PyTorch's int8 kernel instead of asyncexec's (`worker/int8_gemv.py`)
+    "int8_graph_aten": {"dtype": "bfloat16", "quantization": "int8", "env": {"ASYNCEXEC_INT8_GEMV": "0"}},
     "int8_eager": {"dtype": "bfloat16", "quantization": "int8", "enforce_eager": True},
     "int4_graph": {"dtype": "bfloat16", "quantization": "int4"},
 }
@@ -198,9 +201,9 @@ def report(res: dict[str, Any]) -> None:
             + " |"
         )
     lone = {n: res.get(f"lone:{n}", {}).get("gap_p50_ms") for n in CONFIGS}
-    for q in ("int8", "int4"):
-        if lone.get(f"{q}_graph") and lone.get("bf16_graph"):
-            print(f"{q} / bf16 lone-stream gap (graph mode): {lone[f'{q}_graph'] / lone['bf16_graph']:.2f}x")
+    for q in ("int8_graph", "int8_graph_aten", "int4_graph"):
+        if lone.get(q) and lone.get("bf16_graph"):
+            print(f"{q} / bf16_graph lone-stream gap: {lone[q] / lone['bf16_graph']:.2f}x")
     tput = {n: res.get(f"batch32:{n}", {}).get("tok_s") for n in BATCH32}
     if tput["bf16_graph"]:
         print("32 streams: " + ", ".join(f"{n} {v:.1f} tok/s ({v / tput['bf16_graph']:.2f}x)"
@@ -223,6 +226,7 @@ def ratios(res: dict[str, Any]) -> dict[str, float]:
         "bf16_eager_gap / floor": gap["bf16_eager"] / floor,
         "int8_graph_gap / bf16_graph_gap": gap["int8_graph"] / gap["bf16_graph"],
         "int8 / bf16 tok/s at 32 streams": tput["int8_graph"] / tput["bf16_graph"],
+        "int8_graph_aten_gap / bf16_graph_gap": gap["int8_graph_aten"] / gap["bf16_graph"],
         "int4_graph_gap / bf16_graph_gap": gap["int4_graph"] / gap["bf16_graph"],
         "int4 / bf16 tok/s at 32 streams": tput["int4_graph"] / tput["bf16_graph"],
         "bf16_graph non-model ms": get("lone:bf16_graph", "non_model_ms"),

@@ -225,7 +225,8 @@ def _single_child(j: dict[str, Any]) -> dict[str, Any]:
 
     from asyncexec.model_registry import resolve_model
 
-    kind, cfg = j["single"], single.CONFIGS.get(j.get("config", ""), {})
+    kind, cfg = j["single"], dict(single.CONFIGS.get(j.get("config", ""), {}))
+    os.environ.update(cfg.pop("env", {}))  # this child's process only
     if kind == "floor":
         return single.matmul_floor(resolve_model(j["model"]))
     if kind == "lone":

@@ -1,7 +1,8 @@
 """Every `nn.Linear` of a model (lm_head included) once, at M rows: plain bf16 (or float32) `F.linear`,
 the oneDNN-packed weight asyncexec uses (`mkldnn._linear_pointwise`; on a CPU where oneDNN has no bf16
-GEMM, the packed float32 copy on upcast activations that asyncexec uses there), and int8 weight-only
-(`aten._weight_int8pack_mm`, per-channel scales), and int4
+GEMM, the packed float32 copy on upcast activations that asyncexec uses there), int8 weight-only
+(per-channel scales) with PyTorch's kernel (`aten._weight_int8pack_mm`) and with asyncexec's
+(`asyncexec.worker.int8_gemv`, up to 4 rows; where it cannot build, that column is nan), and int4
 weight-only as asyncexec quantizes it (`aten._weight_int4pack_mm_for_cpu`, a scale and a zero per 32
 inputs; `asyncexec.worker.int4`). Median ms of the whole set, per M, in one process.
 
@@ -38,6 +39,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from asyncexec.model_registry import resolve_model
+    from asyncexec.worker import int8_gemv
     from asyncexec.worker.int4 import INT4_GROUP, quantize_int4
     from asyncexec.worker.quantization import can_pack, quantize_weight
 
@@ -49,7 +51,9 @@ def main() -> None:
     upcast = not can_pack(dtype)  # asyncexec's choice on this CPU (quantization.py)
     if upcast:
         print(f"oneDNN has no {args.dtype} GEMM on this CPU: 'packed' is the float32 copy on upcast rows")
-    head = ["rows", "plain ms", "packed ms", "int8 ms", "int4 ms", "packed/plain", "int8/packed", "int4/int8"]
+    ours = int8_gemv.load()
+    head = ["rows", "plain ms", "packed ms", "int8 ms", "int8 ours ms", "int4 ms", "packed/plain",
+            "int8/packed", "ours/int8", "int4/int8"]  # fmt: skip
     print(" ".join(f"{h:>12s}" for h in head))
     with torch.inference_mode():
         ws = [(m.weight, m.bias) for m in lins]
@@ -76,12 +80,17 @@ def main() -> None:
                 for q, s, _ in quant:
                     torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s)
 
+            def int8_ours(xs: dict[int, torch.Tensor] = xs) -> None:
+                for q, s, _ in quant:
+                    int8_gemv.int8_gemv(xs[q.shape[1]], q, s)
+
             def int4(xs: dict[int, torch.Tensor] = xs) -> None:
                 for (pw, sz), (w, _) in zip(quant4, ws, strict=True):
                     torch.ops.aten._weight_int4pack_mm_for_cpu(xs[w.shape[1]], pw, INT4_GROUP, sz)
 
             a, p, q8, q4 = bench(plain), bench(onednn), bench(int8, 10), bench(int4, 10)
-            print(" ".join(f"{v:12.2f}" for v in (rows, a, p, q8, q4, p / a, q8 / p, q4 / q8)))
+            o8 = bench(int8_ours, 10) if ours and rows <= 4 else float("nan")
+            print(" ".join(f"{v:12.2f}" for v in (rows, a, p, q8, o8, q4, p / a, q8 / p, o8 / q8, q4 / q8)))
 
 
 if __name__ == "__main__":

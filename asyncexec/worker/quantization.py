@@ -9,12 +9,13 @@ compiled decoder layers see as one opaque call and eager forwards call directly:
 - **int8** (`EngineConfig(quantization="int8")`): every linear, lm_head included, is quantized at load,
   in each worker after tensor-parallel sharding: symmetric, one scale per output channel, with
   activation-aware input-channel scales (`int8_scales`: the input is divided by them). Steps of at most
-  `INT8_MAX_ROWS` rows (a lone stream, a few streams) run PyTorch's int8 weight-pack kernel
-  (`aten._weight_int8pack_mm`), which reads half the bytes of bf16. That kernel is slower than the packed
-  bf16 GEMM from 8 rows up (2x at 32 rows, measured), so bigger steps use a packed bf16 copy of the
-  dequantized weights (the same model either way): int8 mode trades memory (int8 + bf16 weights) for
-  speed and does not save memory. Activations, the KV cache and the logits stay in bf16; int8 needs
-  dtype bfloat16 (with float32 activations the kernel is slower than packed float32 weights).
+  `INT8_MAX_ROWS` rows (a lone stream, a few streams) run asyncexec's int8 GEMV (`int8_gemv`; PyTorch's
+  `aten._weight_int8pack_mm` where it cannot be built), which reads half the bytes of bf16. Those
+  kernels are slower than the packed bf16 GEMM from 8 rows up (2x at 32 rows, measured), so bigger
+  steps use a packed bf16 copy of the dequantized weights (the same model either way): int8 mode
+  trades memory (int8 + bf16 weights) for speed and does not save memory. Activations, the KV cache
+  and the logits stay in bf16; int8 needs dtype bfloat16 (with float32 activations the kernel is
+  slower than packed float32 weights).
 
 - **float32 GEMMs for bf16 on CPUs without oneDNN bf16** (AVX2 only, no AVX-512 or AMX): PyTorch's bf16
   matmul there is a slow fallback whose cost grows with the rows (measured on a 2-core AVX2 EPYC, all of
@@ -41,6 +42,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from asyncexec.config import QUANTIZATIONS
 from asyncexec.errors import ConfigError
+from asyncexec.worker import int8_gemv
 from asyncexec.worker.int4 import INT4_GROUP, int4_fits, quantize_int4
 from asyncexec.worker.int8_scales import dequantize, quantize_weight
 
@@ -66,6 +68,7 @@ class _Packed:
     qweight: torch.Tensor | None = None  # int8 [N, K]
     scales: torch.Tensor | None = None  # [N], in dtype
     inv_s: torch.Tensor | None = None  # [K], in dtype: activation-aware int8 divides the input by `s`
+    gemv: bool = False  # int8 rows run asyncexec's kernel (`int8_gemv`), else PyTorch's
     q4: torch.Tensor | None = None  # int4: the kernel's packed weight
     sz: torch.Tensor | None = None  # int4: scales and zeros [K / INT4_GROUP, N, 2], in dtype
     bias: torch.Tensor | None = None  # a group's concatenated bias (a lone linear's comes with the call)
@@ -115,7 +118,10 @@ def _matmul(x: torch.Tensor, p: _Packed, bias: torch.Tensor | None) -> torch.Ten
         if p.qweight is not None:
             assert p.scales is not None
             xq = x2.contiguous() if p.inv_s is None else x2 * p.inv_s
-            y = torch.ops.aten._weight_int8pack_mm(xq, p.qweight, p.scales)
+            if p.gemv and x2.shape[0] <= INT8_MAX_ROWS:  # (without a dense copy int8 serves every size)
+                y = int8_gemv.int8_gemv(xq, p.qweight, p.scales)
+            else:
+                y = torch.ops.aten._weight_int8pack_mm(xq, p.qweight, p.scales)
             return y if bias is None else y + bias
         if p.small is not None:
             return torch.nn.functional.linear(x2, p.small, bias)
@@ -279,6 +285,7 @@ def _pack(
         w = dequantized.to(w.dtype)  # what int4 rows compute with
     elif quantization is not None:  # int8, and int4's lm_head and linears of odd widths
         packed.qweight, packed.scales = quantize_weight(w, s)
+        packed.gemv = int8_gemv.fits(packed.qweight, packed.scales)
         if s is not None:
             packed.inv_s = (1.0 / s).to(w.dtype)
         w = dequantize(packed.qweight, packed.scales, s).to(w.dtype)  # what int8 rows compute with

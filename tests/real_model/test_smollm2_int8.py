@@ -86,15 +86,22 @@ async def _score(ids: list[int], chat: list[int] | None, **cfg: Any) -> tuple[An
     return scored.prompt_logprobs, answer, stats
 
 
+QUESTION = "What is the capital of France? Answer in one sentence."
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 async def test_int8_keeps_the_bf16_argmax_on_real_text_and_answers_paris(
     smollm2: Path, smollm2_tokenizer: Any, quantization: str
 ) -> None:
     ids = smollm2_tokenizer.encode(TEXT)
     assert len(ids) >= 500
+    # the bare "What is the capital of France?" is a near-tie for this model itself: its first answer token
+    # 'The' leads 'L' by 0.08 nats in float32 (0.25 in bf16), and int4 on an AVX-512 EPYC tipped it into
+    # "L'Étoile, la Marseillaise, ..."; with "Answer in one sentence." float32 leads by 1.48 nats, so a
+    # wrong answer here is the quantization's doing, not the model's coin flip
     chat = list(
         smollm2_tokenizer.apply_chat_template(
-            [{"role": "user", "content": "What is the capital of France?"}],
+            [{"role": "user", "content": QUESTION}],
             add_generation_prompt=True, tokenize=True, return_dict=False,
         )
     )  # fmt: skip

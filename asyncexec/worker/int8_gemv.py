@@ -1,0 +1,110 @@
+"""int8 weight-only GEMV for steps of 1-4 rows: asyncexec's own C++ kernel (`int8_gemv.cpp`).
+
+Why not only PyTorch's `aten._weight_int8pack_mm`: on a lone stream every weight is read once a step, so
+the int8 GEMM should cost half of bf16's. PyTorch's kernel multiplies every weight by its scale inside
+the loop and issues no prefetch far enough ahead; measured on a 2-core AMD EPYC (AVX-512), SmolLM2's 121
+layer GEMMs and lm_head at one row, weights from memory: 5.5-6.1 ms with it against 3.1-3.5 ms with
+this kernel (`scripts/probe_linear.py` measures both). Same numbers either way, up to float32 rounding
+of the sums: products are exact, sums in float32, the scale applied once per output.
+
+Built once per machine at first use (start-up of an int8 or int4 engine), through inductor's C++
+compiler driver (`CppCodeCache`): it picks the CPU's vector flags (AVX-512 or AVX2), links torch's
+OpenMP, and caches the library on disk under the compile cache folder (`cpu_graph.compile_cache_dir`),
+keyed by source and flags. Where it cannot build (no compiler, no AVX2), int8 steps use PyTorch's
+kernel, with a warning that says why; `ASYNCEXEC_INT8_GEMV=0` chooses PyTorch's kernel (to compare).
+Called through ctypes, which releases the GIL while it runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["int8_gemv", "load"]
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("int8_gemv.cpp")
+_fn: Any = None  # the loaded kernel (a ctypes function)
+_width = 0  # its vector width in floats: K must be a multiple
+_tried = False
+_lock = threading.Lock()
+
+
+def load() -> bool:
+    """Build (or load from the disk cache) the kernel, once per process; False where it is unavailable."""
+    with _lock:  # engines loading in several threads at once: one build, and all see its outcome
+        return _load()
+
+
+def _load() -> bool:
+    global _fn, _width, _tried
+    if _tried:
+        return _fn is not None
+    _tried = True
+    if os.environ.get("ASYNCEXEC_INT8_GEMV", "1") == "0":
+        logger.info("ASYNCEXEC_INT8_GEMV=0: int8 steps use PyTorch's _weight_int8pack_mm")
+        return False
+    from torch._inductor.codecache import CppCodeCache
+
+    from asyncexec.worker.cpu_graph import compile_cache_dir
+
+    compile_cache_dir()  # the library lives next to the compiled decode graphs
+    start = time.perf_counter()
+    try:
+        lib = CppCodeCache.load(_SOURCE.read_text())
+    except Exception as e:  # any build failure leaves PyTorch's kernel, said once
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        logger.warning(
+            "could not build asyncexec's int8 GEMV kernel (%s: %s); int8 steps of up to 4 rows use "
+            "PyTorch's _weight_int8pack_mm, which is slower", type(e).__name__, first,
+        )  # fmt: skip
+        return False
+    width = int(lib.asyncexec_int8_gemv_width())
+    if width == 0:
+        logger.warning("asyncexec's int8 GEMV kernel needs AVX2 or AVX-512; int8 steps use PyTorch's kernel")
+        return False
+    fn = lib.asyncexec_int8_gemv
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+    _fn, _width = fn, width
+    logger.info("int8 GEMV kernel ready (%d-float vectors) in %.1f s", width, time.perf_counter() - start)
+    return True
+
+
+def fits(qweight: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether the kernel serves this weight: loaded, bf16 scales, K a multiple of its vector width."""
+    return (
+        scales.dtype == torch.bfloat16
+        and qweight.is_contiguous()
+        and scales.is_contiguous()
+        and load()
+        and qweight.shape[1] % _width == 0
+    )
+
+
+def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`aten._weight_int8pack_mm(x, qweight, scales)` for 1-4 rows of bf16 `x` [M, K] (`fits` first)."""
+    fn = _fn
+    assert fn is not None, "int8_gemv.load() first"
+    m, k = x.shape
+    n = qweight.shape[0]
+    if not (1 <= m <= 4 and x.dtype == scales.dtype == torch.bfloat16 and qweight.dtype == torch.int8):
+        raise ValueError(f"int8_gemv takes 1-4 bf16 rows and int8 weights, got {tuple(x.shape)} {x.dtype}")
+    if qweight.shape[1] != k or scales.shape != (n,):
+        raise ValueError(f"int8_gemv: x {tuple(x.shape)}, weight {tuple(qweight.shape)}, scales "
+                         f"{tuple(scales.shape)} do not fit")  # fmt: skip
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype)
+    threads = torch.get_num_threads()
+    rc = fn(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), y.data_ptr(), m, n, k, threads)
+    if rc != 0:
+        raise RuntimeError(f"int8_gemv kernel failed with code {rc} (x {tuple(x.shape)}, width {_width})")
+    return y

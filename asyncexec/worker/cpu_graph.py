@@ -45,8 +45,8 @@ import torch
 from asyncexec.errors import ConfigError
 from asyncexec.worker.attention import AttentionMetadata
 from asyncexec.worker.model_runner import NULL_BLOCK
+from asyncexec.worker.packed_linear import DedupeGroupLinears
 from asyncexec.worker.paged_decode import decode_width, fresh_function
-from asyncexec.worker.quantization import DedupeGroupLinears
 
 if TYPE_CHECKING:
     from asyncexec.worker.input_batch import PreparedBatch

@@ -35,16 +35,22 @@ import logging
 import types
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from asyncexec.config import QUANTIZATIONS
 from asyncexec.errors import ConfigError
 from asyncexec.worker import int8_gemv
-from asyncexec.worker.int4 import INT4_GROUP, int4_fits, quantize_int4
+from asyncexec.worker.int4 import int4_fits, quantize_int4
 from asyncexec.worker.int8_scales import dequantize, quantize_weight
+from asyncexec.worker.packed_linear import (
+    _REGISTRY,
+    INT8_MAX_ROWS,
+    _Group,
+    _group_forward,
+    _install,
+    _Packed,
+)
 
 __all__ = [
     "INT8_MAX_ROWS",
@@ -58,164 +64,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SUPPORTED_QUANTIZATION = QUANTIZATIONS  # checked once, by EngineConfig
-INT8_MAX_ROWS = 4
-
-
-@dataclass
-class _Packed:
-    dense: torch.Tensor | None = None  # oneDNN-packed, in dtype or float32 (None: int8 serves every size)
-    small: torch.Tensor | None = None  # upcast mode: the weight in dtype, for steps of few rows
-    qweight: torch.Tensor | None = None  # int8 [N, K]
-    scales: torch.Tensor | None = None  # [N], in dtype
-    inv_s: torch.Tensor | None = None  # [K], in dtype: activation-aware int8 divides the input by `s`
-    gemv: bool = False  # int8 rows run asyncexec's kernel (`int8_gemv`), else PyTorch's
-    q4: torch.Tensor | None = None  # int4: the kernel's packed weight
-    sz: torch.Tensor | None = None  # int4: scales and zeros [K / INT4_GROUP, N, 2], in dtype
-    bias: torch.Tensor | None = None  # a group's concatenated bias (a lone linear's comes with the call)
-    group: _Group | None = None  # set on a member of a group: its columns of the group's output start
-    start: int = 0  # at `start` (and are as many as its stand-in weight's rows)
-
-
-@dataclass
-class _Group:
-    """Projections that read the same input (q/k/v, gate/up), packed as one weight: the first member
-    called on an input runs the one GEMM, the others take their columns of it."""
-
-    packed: _Packed
-    members: frozenset[int]  # each member's first column
-    x: torch.Tensor | None = None  # the input the pending output was computed from (held: the object
-    # cannot be replaced by another at its address; inference tensors have no version counter to check)
-    out: torch.Tensor | None = None
-    pending: set[int] = field(default_factory=set)
-
-    def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        if self.x is x and index in self.pending:
-            self.pending.discard(index)
-        else:
-            self.x = x
-            self.out = _matmul(x, self.packed, self.packed.bias)
-            self.pending = set(self.members) - {index}
-        out = self.out
-        assert out is not None
-        if not self.pending:
-            self.x = self.out = None
-        return out
-
-
-_REGISTRY: dict[int, _Packed] = {}
-
-_lib = torch.library.Library("asyncexec", "FRAGMENT")  # type: ignore[no-untyped-call]
-_lib.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")  # type: ignore[no-untyped-call]
-
-
-def _matmul(x: torch.Tensor, p: _Packed, bias: torch.Tensor | None) -> torch.Tensor:
-    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    y: torch.Tensor
-    if p.dense is None or x2.shape[0] <= INT8_MAX_ROWS:
-        if p.q4 is not None:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), p.q4, INT4_GROUP, p.sz)
-            return y if bias is None else y + bias
-        if p.qweight is not None:
-            assert p.scales is not None
-            xq = x2.contiguous() if p.inv_s is None else x2 * p.inv_s
-            if p.gemv and x2.shape[0] <= INT8_MAX_ROWS:  # (without a dense copy int8 serves every size)
-                y = int8_gemv.int8_gemv(xq, p.qweight, p.scales)
-            else:
-                y = torch.ops.aten._weight_int8pack_mm(xq, p.qweight, p.scales)
-            return y if bias is None else y + bias
-        if p.small is not None:
-            return torch.nn.functional.linear(x2, p.small, bias)
-    assert p.dense is not None
-    if p.dense.dtype == x2.dtype:
-        return torch.ops.mkldnn._linear_pointwise(x2, p.dense, bias, "none", [], "")  # type: ignore[no-any-return]
-    b32 = None if bias is None else bias.float()  # added before the one rounding, as bf16's matmul does
-    return torch.ops.mkldnn._linear_pointwise(x2.float(), p.dense, b32, "none", [], "").to(x2.dtype)  # type: ignore[no-any-return]
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    p = _REGISTRY[weight.data_ptr()]
-    # a group member (eager): its columns of the group's one GEMM, a view
-    n = weight.shape[0]
-    y = _matmul(x, p, bias) if p.group is None else p.group.output(x, p.start)[:, p.start : p.start + n]
-    out: torch.Tensor = y if x.dim() == 2 else y.view(*x.shape[:-1], n)
-    return out
-
-
-def _packed_linear_group(x: torch.Tensor, key: torch.Tensor, width: int) -> torch.Tensor:
-    group = _REGISTRY[key.data_ptr()].group
-    assert group is not None
-    y = _matmul(x, group.packed, group.packed.bias)
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], width)
-
-
-def _packed_linear_meta(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-_lib.impl("packed_linear", _linear, "CPU")  # type: ignore[no-untyped-call]
-_lib.impl("packed_linear", _packed_linear_meta, "Meta")  # type: ignore[no-untyped-call]
-# a group's whole output: each member's compiled forward calls it and slices its columns; the layer
-# graph's pass (`DedupeGroupLinears`) merges the identical calls into one
-_lib.define("packed_linear_group(Tensor x, Tensor key, int width) -> Tensor")  # type: ignore[no-untyped-call]
-_lib.impl("packed_linear_group", _packed_linear_group, "CPU")  # type: ignore[no-untyped-call]
-_lib.impl(  # type: ignore[no-untyped-call]
-    "packed_linear_group", lambda x, key, width: x.new_empty(*x.shape[:-1], width), "Meta"
-)
-
-
-_OP = torch.ops.asyncexec.packed_linear.default
-_SOURCE_HASH = get_hash_for_files((__file__,))
-_GROUP_OP = torch.ops.asyncexec.packed_linear_group.default
-
-
-def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if torch.compiler.is_compiling():  # one opaque op in the layer graph
-        return _OP(x, self.weight, self.bias)  # type: ignore[no-any-return]
-    return _linear(x, self.weight, self.bias)  # eager: no dispatcher
-
-
-def _group_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        start: int = self.group_start  # type: ignore[assignment]
-        y = _GROUP_OP(x, self.group_key, self.group_width)
-        return y[..., start : start + self.out_features]  # type: ignore[no-any-return]
-    return _linear(x, self.weight, None)
-
-
-class DedupeGroupLinears(CustomGraphPass):
-    """Inductor post-grad pass: the identical `packed_linear_group` calls of a group's members become
-    one (inductor does not merge identical opaque calls itself)."""
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        seen: dict[tuple[object, ...], torch.fx.Node] = {}
-        for node in list(graph.nodes):
-            if node.target is not _GROUP_OP:
-                continue
-            first = seen.setdefault((*node.args, *node.kwargs.items()), node)
-            if first is not node:
-                node.replace_all_uses_with(first)
-                graph.erase_node(node)
-
-    def uuid(self) -> bytes:  # inductor's cache key: this file's contents
-        return _SOURCE_HASH
-
-
-def _install(mod: torch.nn.Linear) -> None:
-    """Make `_forward` the linear's forward. Under transformers' tensor parallelism the module's forward
-    is a wrapper that makes inputs local, hides a rowwise bias and all-reduces the output around the
-    forward it captured at load: that captured forward is replaced, so the wrapper stays."""
-    ours = types.MethodType(_forward, mod)
-    tp_forward = mod.__dict__.get("forward")
-    if tp_forward is None:
-        mod.forward = ours  # type: ignore[method-assign]
-        return
-    cells = dict(zip(tp_forward.__code__.co_freevars, tp_forward.__closure__ or (), strict=True))
-    if "original_forward" not in cells:
-        raise ConfigError(
-            f"cannot pack {type(mod).__name__}: its forward is wrapped by {tp_forward.__qualname__}, which "
-            "asyncexec does not know; use enforce_eager=True and no quantization"
-        )
-    cells["original_forward"].cell_contents = ours
 
 
 def check_quantization(method: str | None, device: torch.device, dtype: torch.dtype) -> None:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from asyncexec.worker.int4 import INT4_GROUP, dequantize_int4
-from asyncexec.worker.quantization import _REGISTRY, INT8_MAX_ROWS, pack_linears, quantize_weight
+from asyncexec.worker.packed_linear import _REGISTRY
+from asyncexec.worker.quantization import INT8_MAX_ROWS, pack_linears, quantize_weight
 
 
 def _q4_1_weight(n: int, k: int) -> torch.Tensor:

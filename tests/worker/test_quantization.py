@@ -10,6 +10,7 @@ import torch
 
 from asyncexec import AsyncEngine, ConfigError, EngineConfig, SamplingParams, WorkerStartupError
 from asyncexec.worker.int4 import dequantize_int4
+from asyncexec.worker.packed_linear import _REGISTRY
 from asyncexec.worker.quantization import INT8_MAX_ROWS, can_pack, pack_linears, quantize_weight
 
 
@@ -87,7 +88,7 @@ class _Block(torch.nn.Module):
 def test_sibling_projections_run_as_one_gemm_and_equal_the_separate_ones(
     quantization: str | None, bias: bool
 ) -> None:
-    from asyncexec.worker import quantization as q
+    from asyncexec.worker import packed_linear as q
 
     block = _Block(torch.bfloat16, bias)
     x = torch.randn(1, 7, 64).to(torch.bfloat16)
@@ -221,7 +222,7 @@ def test_without_onednn_bf16_bigger_steps_multiply_in_float32(
     b = lin.bias.detach().clone()
     stats = pack_linears(torch.nn.Sequential(lin), quantization)
     assert stats["linears"] == 1
-    packed = qmod._REGISTRY[lin.weight.data_ptr()]
+    packed = _REGISTRY[lin.weight.data_ptr()]
     assert packed.dense is not None and packed.dense.dtype == torch.float32
     gen = torch.Generator().manual_seed(3)
     with torch.inference_mode():

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["int8_gemv", "load"]
+__all__ = ["fits", "int8_gemv", "load", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +91,9 @@ def fits(qweight: torch.Tensor, scales: torch.Tensor) -> bool:
 
 
 def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`aten._weight_int8pack_mm(x, qweight, scales)` for 1-4 rows of bf16 `x` [M, K] (`fits` first)."""
-    fn = _fn
-    assert fn is not None, "int8_gemv.load() first"
+    """`aten._weight_int8pack_mm(x, qweight, scales)` for 1-4 rows of bf16 `x` [M, K], checked (`fits`
+    first)."""
+    assert _fn is not None, "int8_gemv.load() first"
     m, k = x.shape
     n = qweight.shape[0]
     if not (1 <= m <= 4 and x.dtype == scales.dtype == torch.bfloat16 and qweight.dtype == torch.int8):
@@ -101,10 +101,18 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> t
     if qweight.shape[1] != k or scales.shape != (n,):
         raise ValueError(f"int8_gemv: x {tuple(x.shape)}, weight {tuple(qweight.shape)}, scales "
                          f"{tuple(scales.shape)} do not fit")  # fmt: skip
-    x = x.contiguous()
+    return run(x.contiguous(), qweight, scales)
+
+
+def run(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The call without `int8_gemv`'s checks, for the hot path: operands that `fits` admitted at load,
+    1-4 contiguous bf16 rows (the checks cost about as much as the call's own overhead)."""
+    m, k = x.shape
+    n = qweight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype)
-    threads = torch.get_num_threads()
-    rc = fn(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), y.data_ptr(), m, n, k, threads)
+    rc = _fn(
+        x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads()
+    )
     if rc != 0:
         raise RuntimeError(f"int8_gemv kernel failed with code {rc} (x {tuple(x.shape)}, width {_width})")
     return y

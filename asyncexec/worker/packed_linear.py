@@ -83,7 +83,7 @@ def _matmul(x: torch.Tensor, p: _Packed, bias: torch.Tensor | None) -> torch.Ten
             assert p.scales is not None
             xq = x2.contiguous() if p.inv_s is None else x2 * p.inv_s
             if p.gemv and x2.shape[0] <= INT8_MAX_ROWS:  # (without a dense copy int8 serves every size)
-                y = int8_gemv.int8_gemv(xq, p.qweight, p.scales)
+                y = int8_gemv.run(xq, p.qweight, p.scales)  # admitted by `fits` at load
             else:
                 y = torch.ops.aten._weight_int8pack_mm(xq, p.qweight, p.scales)
             return y if bias is None else y + bias

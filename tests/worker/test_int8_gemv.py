@@ -55,13 +55,13 @@ def test_int8_gemv_refuses_shapes_it_does_not_serve() -> None:
 
 def test_int8_steps_of_up_to_4_rows_run_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    kernel = int8_gemv.int8_gemv
+    kernel = int8_gemv.run
 
     def counted(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         calls.append(x.shape[0])
         return kernel(x, q, s)
 
-    monkeypatch.setattr(int8_gemv, "int8_gemv", counted)
+    monkeypatch.setattr(int8_gemv, "run", counted)
     lin = torch.nn.Linear(64, 48, bias=True).bfloat16()
     pack_linears(torch.nn.Sequential(lin), "int8")
     with torch.inference_mode():

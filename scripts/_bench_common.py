@@ -120,8 +120,9 @@ def is_gemm(name: str) -> bool:
 def is_attention(name: str) -> bool:
     """Eager attention ops, or the inductor kernel that holds the decode softmax (graph mode fuses the
     attention into the layer graph: with `cpp.enable_kernel_profile` each kernel is a profiler event;
-    that kernel also holds the rotary embedding and the KV write, which inductor fuses into it)."""
-    return name in ATTN or ("cpp_fused" in name and "softmax" in name)
+    that kernel also holds the rotary embedding and the KV write, which inductor fuses into it), or
+    asyncexec's C++ decode kernel (`asyncexec::paged_decode`, the attention alone)."""
+    return name in ATTN or ("cpp_fused" in name and "softmax" in name) or "paged_decode" in name
 
 
 def classify(events: Any) -> dict[str, float]:

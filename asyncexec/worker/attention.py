@@ -33,6 +33,7 @@ import torch
 import torch._inductor.inductor_prims  # registers prims.inductor_force_stride_order
 import torch.nn.functional as F
 
+from asyncexec.worker import paged_decode
 from asyncexec.worker.paged_decode import attend_decode, decode_kernel
 from asyncexec.worker.prefill_attention import prefill_attention
 
@@ -196,10 +197,11 @@ def _graph_decode(
     # place (the caches are module buffers, mutated in place, never copied)
     k_cache.view(-1, hkv, d).index_copy_(0, md.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.view(-1, hkv, d).index_copy_(0, md.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
-    out = decode_kernel(
-        q, k_cache, v_cache, md.decode_block_tables, md.decode_seq_lens, float(scale_of(scaling, q)),
-        window or 0,
-    )  # fmt: skip
+    args = (md.decode_block_tables, md.decode_seq_lens, float(scale_of(scaling, q)), window or 0)
+    if paged_decode.serves(q, k_cache):  # the C++ kernel, one opaque op (`paged_decode.py`)
+        out = torch.ops.asyncexec.paged_decode(q, k_cache, v_cache, *args)
+    else:
+        out = decode_kernel(q, k_cache, v_cache, *args)
     return out.unsqueeze(0), None
 
 

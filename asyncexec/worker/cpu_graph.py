@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncexec.errors import ConfigError
+from asyncexec.worker import paged_decode
 from asyncexec.worker.attention import AttentionMetadata
 from asyncexec.worker.model_runner import NULL_BLOCK
 from asyncexec.worker.packed_linear import DedupeGroupLinears
@@ -155,6 +156,7 @@ class CPUGraphRunner:
             self.padded[n] = min(s for s in sizes if s >= n)
         self.capture_seconds = 0.0
         self.cache_dir = compile_cache_dir()
+        paged_decode.load()  # before compiling: the layer graph calls the C++ decode kernel if it built
         layer_fn = fresh_function(_layer_forward)  # a graph cache of its own
         self._generated: list[types.CodeType] = []
         _generated[layer_fn.__code__] = self._generated

@@ -7,12 +7,10 @@ layer GEMMs and lm_head at one row, weights from memory: 5.5-6.1 ms with it agai
 this kernel (`scripts/probe_linear.py` measures both). Same numbers either way, up to float32 rounding
 of the sums: products are exact, sums in float32, the scale applied once per output.
 
-Built once per machine at first use (start-up of an int8 or int4 engine), through inductor's C++
-compiler driver (`CppCodeCache`): it picks the CPU's vector flags (AVX-512 or AVX2), links torch's
-OpenMP, and caches the library on disk under the compile cache folder (`cpu_graph.compile_cache_dir`),
-keyed by source and flags. Where it cannot build (no compiler, no AVX2), int8 steps use PyTorch's
-kernel, with a warning that says why; `ASYNCEXEC_INT8_GEMV=0` chooses PyTorch's kernel (to compare).
-Called through ctypes, which releases the GIL while it runs.
+Built once per machine at first use (start-up of an int8 or int4 engine), by `cpp_build.build`
+(inductor's C++ compiler driver, cached on disk). Where it cannot build (no compiler, no AVX2), int8
+steps use PyTorch's kernel, with a warning that says why; `ASYNCEXEC_INT8_GEMV=0` chooses PyTorch's
+kernel (to compare). Called through ctypes, which releases the GIL while it runs.
 """
 
 from __future__ import annotations
@@ -26,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from asyncexec.worker import cpp_build
 
 __all__ = ["fits", "int8_gemv", "load", "run"]
 
@@ -52,20 +52,10 @@ def _load() -> bool:
     if os.environ.get("ASYNCEXEC_INT8_GEMV", "1") == "0":
         logger.info("ASYNCEXEC_INT8_GEMV=0: int8 steps use PyTorch's _weight_int8pack_mm")
         return False
-    from torch._inductor.codecache import CppCodeCache
-
-    from asyncexec.worker.cpu_graph import compile_cache_dir
-
-    compile_cache_dir()  # the library lives next to the compiled decode graphs
     start = time.perf_counter()
-    try:
-        lib = CppCodeCache.load(_SOURCE.read_text())
-    except Exception as e:  # any build failure leaves PyTorch's kernel, said once
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        logger.warning(
-            "could not build asyncexec's int8 GEMV kernel (%s: %s); int8 steps of up to 4 rows use "
-            "PyTorch's _weight_int8pack_mm, which is slower", type(e).__name__, first,
-        )  # fmt: skip
+    fallback = "int8 steps of up to 4 rows use PyTorch's _weight_int8pack_mm, which is slower"
+    lib = cpp_build.build(_SOURCE, "int8 GEMV kernel", fallback, logger)
+    if lib is None:
         return False
     width = int(lib.asyncexec_int8_gemv_width())
     if width == 0:

@@ -1,8 +1,10 @@
 """CPU graph mode: compiled decode layers that never recompile in steady state, and the in-place decode
-kernel against the eager gather-and-SDPA path it replaces."""
+kernels (asyncexec's C++ one and the inductor-compiled fallback) against the eager gather-and-SDPA path
+they replace."""
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import torch
 import torch._dynamo.utils
 
 from asyncexec import EngineConfig, Executor, SamplingParams
+from asyncexec.worker import paged_decode
 from asyncexec.worker.attention import _decode
 from asyncexec.worker.paged_decode import attend_decode
 from tests.worker.driver import Driver, Req
@@ -49,24 +52,110 @@ async def test_no_recompiles_across_200_steps_of_changing_batches(tiny_models: d
     assert compiled_graphs() == after_start, "a step compiled a new graph after start-up"
 
 
-@pytest.mark.parametrize("window", [0, 5])
-def test_the_in_place_kernel_matches_the_eager_decode_in_float32(window: int) -> None:
-    gen = torch.Generator().manual_seed(0)
-    num_blocks, bs, hkv, h, d = 64, 4, 2, 6, 16
-    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen)
-    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen)
-    lens = torch.tensor([1, 3, 4, 9, 17, 30])
-    blocks = torch.randperm(num_blocks - 1, generator=gen) + 1  # scattered, never the null block
-    tables = torch.zeros(len(lens), 8, dtype=torch.int64)
+def _paged(
+    lens: list[int], h: int, hkv: int, d: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """q, caches and tables of rows of `lens` tokens over scattered blocks (never the null block)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 2 + sum(-(-n // BLOCK) for n in lens)
+    k_cache = torch.randn(num_blocks, BLOCK, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK, hkv, d, generator=gen).to(dtype)
+    blocks = torch.randperm(num_blocks - 1, generator=gen) + 1
+    width = max(-(-n // BLOCK) for n in lens) + 1  # one spare column: rows read only what they hold
+    tables = torch.zeros(len(lens), width, dtype=torch.int64)
     used = 0
-    for i, n in enumerate(lens.tolist()):
-        need = -(-n // bs)
+    for i, n in enumerate(lens):
+        need = -(-n // BLOCK)
         tables[i, :need] = blocks[used : used + need]
         used += need
-    q = torch.randn(len(lens), h, d, generator=gen)
-    want = _decode(q, k_cache, v_cache, tables, lens, 0.25, window or None)
-    got = attend_decode(q, k_cache, v_cache, tables, lens, 0.25, window)
+    q = torch.randn(len(lens), h, d, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens)
+
+
+@pytest.fixture(params=["cpp", "inductor"])
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each decode kernel in turn: asyncexec's C++ one (built here) or the inductor-compiled fallback."""
+    if request.param == "cpp":
+        assert paged_decode.load(), "the C++ decode kernel builds on this machine"
+    else:
+        monkeypatch.setattr(paged_decode, "_ready", False)
+    return str(request.param)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_the_in_place_kernel_matches_the_eager_decode_in_float32(kernel: str, window: int) -> None:
+    lens = [1, 3, 4, 9, 17, 30]
+    q, k_cache, v_cache, tables, seq_lens = _paged(lens, 6, 2, 16, torch.float32)
+    assert paged_decode.serves(q, k_cache) == (kernel == "cpp")
+    want = _decode(q, k_cache, v_cache, tables, seq_lens, 0.25, window or None)
+    got = attend_decode(q, k_cache, v_cache, tables, seq_lens, 0.25, window)
     assert (got - want).abs().max() < 1e-5
     if window:
-        unlimited = _decode(q, k_cache, v_cache, tables, lens, 0.25, None)
+        unlimited = _decode(q, k_cache, v_cache, tables, seq_lens, 0.25, None)
         assert (got - unlimited).abs().max() > 1e-2, "the window must change the long rows"
+
+
+@pytest.mark.parametrize("shape", [(9, 3, 64), (8, 8, 32), (16, 2, 128)])  # SmolLM2's, MHA, head size 128
+def test_the_cpp_decode_kernel_matches_float64_at_every_head_shape(shape: tuple[int, int, int]) -> None:
+    assert paged_decode.load()
+    h, hkv, d = shape
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2**-7)):
+        q, k_cache, v_cache, tables, lens = _paged([1, 15, 16, 17, 70], h, hkv, d, dtype, seed=h)
+        assert paged_decode.serves(q, k_cache)
+        got = paged_decode.run_kernel(q, k_cache, v_cache, tables, lens, d**-0.5, 0)
+        args = (q.double(), k_cache.double(), v_cache.double(), tables, lens, d**-0.5, 0)
+        want = paged_decode.decode_kernel(*args)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+def test_the_cpp_decode_kernel_refuses_what_it_does_not_serve() -> None:
+    assert paged_decode.load()
+    q, k_cache, *_ = _paged([5], 9, 3, 64, torch.float16)
+    assert not paged_decode.serves(q, k_cache)  # fp16
+    q, k_cache, *_ = _paged([5], 18, 1, 64, torch.float32)
+    assert not paged_decode.serves(q, k_cache)  # 18 query heads per KV head
+    q, k_cache, *_ = _paged([5], 4, 2, 24, torch.float32)
+    assert not paged_decode.serves(q, k_cache)  # head size not a whole number of vectors
+
+
+def test_a_decode_kernel_that_fails_to_build_leaves_the_inductor_one_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    broken = tmp_path / "paged_decode.cpp"
+    broken.write_text("this is not C++;\n")
+    for name, value in (("_SOURCE", broken), ("_tried", False), ("_ready", False), ("_fn", None)):
+        monkeypatch.setattr(paged_decode, name, value)
+    with caplog.at_level(logging.WARNING, logger="asyncexec.worker.paged_decode"):
+        assert not paged_decode.load()
+    assert "could not build asyncexec's paged decode attention kernel" in caplog.text
+    q, k_cache, v_cache, tables, lens = _paged([3, 9], 6, 2, 16, torch.float32)
+    assert not paged_decode.serves(q, k_cache)
+    want = _decode(q, k_cache, v_cache, tables, lens, 0.25, None)
+    assert (attend_decode(q, k_cache, v_cache, tables, lens, 0.25, 0) - want).abs().max() < 1e-5
+
+
+async def test_graph_steps_run_the_cpp_decode_kernel(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    real = paged_decode.run_kernel
+
+    def counted(q: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(q.shape[0])
+        return real(q, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(paged_decode, "run_kernel", counted)
+    cfg = EngineConfig(
+        model=str(tiny_models["llama"]), executor="uni", block_size=BLOCK, max_num_seqs=4,
+        cudagraph_capture_sizes=(1, 4), kv_cache_memory_bytes=1 << 20,
+    )  # fmt: skip
+    from asyncexec import AsyncEngine
+
+    async with AsyncEngine(cfg) as engine:
+        start = len(calls)
+        async for _ in engine.generate([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=5)):
+            pass
+        stats = (await engine.collective_rpc("get_runner_stats"))[0]
+    assert stats["graph_steps"] >= 4, stats
+    assert len(calls) - start >= 4 * 2, "each graph step's layers (2) call the C++ kernel"

@@ -1,4 +1,4 @@
-// Paged decode attention on CPU (asyncexec/worker/paged_decode_cpp.py builds and calls it).
+// Paged decode attention on CPU (asyncexec/worker/paged_decode.py builds and calls it).
 //
 //   out[b, h] = softmax(scale * q[b, h] . K[b, t]) . V[b, t]   over the positions t of row b's blocks
 //
@@ -46,6 +46,17 @@ inline float exp_sum(float* s, int64_t n, float mx) {
 }
 
 constexpr int kMaxG = 8;  // query heads per KV head the kernel serves
+// Keys and values are requested this many positions ahead of the one being read. One task walks its row's
+// blocks one position (D elements) at a time, and without this the loads stall on memory one after the
+// other: on a 2-core AMX Xeon, 32 rows of 16-384 tokens with the caches in memory, 561 us a layer
+// without, 229-286 us with (8 ahead: 404 us; 64: 407 us).
+constexpr int64_t kAhead = 24;
+
+template <typename T, int ND>
+inline void prefetch(const T* p) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < ND * V * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off);
+}
 
 // One (row, KV head): ND vectors per head (D = ND * V), G query heads, keys start .. len - 1.
 template <typename T, int ND>
@@ -61,6 +72,11 @@ void attend_one(const T* q, const T* kc, const T* vc, const int64_t* table, int6
   std::fill(mx, mx + kMaxG, -std::numeric_limits<float>::infinity());
   for (int64_t t = start; t < len; ++t) {
     const T* k = kc + (table[t / BS] * BS + t % BS) * row_stride;
+    if (t + kAhead < len) {  // the values too: the second pass finds them in cache
+      const int64_t ahead = (table[(t + kAhead) / BS] * BS + (t + kAhead) % BS) * row_stride;
+      prefetch<T, ND>(kc + ahead);
+      prefetch<T, ND>(vc + ahead);
+    }
     Vec kv[ND];
     for (int c = 0; c < ND; ++c) kv[c] = load(k + c * V);
     for (int64_t j = 0; j < G; ++j) {

@@ -17,8 +17,10 @@ matrix). Decode rows take one of three paths:
 - `graph` (a compiled CPU decode step, `cpu_graph.py`): the KV write and `decode_kernel` are traced
   into the layer graph, reading K/V in place; the caches are the attention module's buffers
   (`k_cache`, `v_cache`), so all layers share one compiled graph;
-- `inplace_decode` (graph mode on, but an eager step: mixed or oversized batches): the same
-  compiled in-place kernel;
+- `inplace_decode` (graph mode on, but not a decode graph step: mixed or oversized batches): the same
+  in-place kernel. With `mixed_graph` such a step's layers are compiled too (`cpu_graph.py`): the KV
+  write is traced and every row's attention is one opaque op, `asyncexec::paged_attention_rows`,
+  which reads the step's metadata registered by `mixed_step`;
 - otherwise (`enforce_eager`, CUDA): in groups of similar length, one padded, masked SDPA per group
   over its gathered blocks (a CUDA graph captures a single group of static width).
 `sliding_window` (Mistral, Qwen2) limits keys to the last W.
@@ -26,6 +28,8 @@ matrix). Decode rows take one of three paths:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,9 +41,10 @@ from asyncexec.worker import paged_decode
 from asyncexec.worker.paged_decode import attend_decode, decode_kernel
 from asyncexec.worker.prefill_attention import prefill_attention
 
-__all__ = ["ATTN_IMPLEMENTATION", "AttentionMetadata", "register_attention"]
+__all__ = ["ATTN_IMPLEMENTATION", "MIXED_MIN_TOKENS", "AttentionMetadata", "mixed_step", "register_attention"]
 
 ATTN_IMPLEMENTATION = "asyncexec_paged"
+MIXED_MIN_TOKENS = 2  # CPU graph mode: mixed steps of fewer tokens run eager (dynamo would specialize 1)
 
 
 @dataclass
@@ -63,6 +68,7 @@ class AttentionMetadata:
     decode_buckets: list[tuple[int, int, int]] | None = None
     profiling: bool = False
     graph: bool = False  # a compiled decode step: the custom op, caches from the modules' buffers
+    mixed_graph: bool = False  # a compiled mixed or prefill step: the layers compiled, attention one op
     inplace_decode: bool = False  # decode rows through the compiled in-place kernel
     layer_code: Any = None  # graph: the compiled layer's code to call without dynamo's guards (cpu_graph)
     seen: dict[int, tuple[int, int, torch.dtype]] = field(default_factory=dict)
@@ -89,6 +95,8 @@ def paged_attention(
         raise NotImplementedError("attention softcapping and sinks are not supported by asyncexec yet")
     if md.graph:  # traced: nothing here may read a per-layer Python value (it would recompile)
         return _graph_decode(module, query, key, value, md, scaling, sliding_window)
+    if md.mixed_graph:  # traced too
+        return _graph_mixed(module, query, key, value, md, scaling, sliding_window)
     md.calls += 1
     layer = int(getattr(module, "layer_idx", 0))
     if md.profiling:
@@ -99,10 +107,30 @@ def paged_attention(
         )
         return out.transpose(1, 2), None
     k_cache, v_cache = md.kv_caches[layer]
-    hkv, d = k_cache.shape[2:]
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    k_cache.view(-1, hkv, d).index_copy_(0, md.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.view(-1, hkv, d).index_copy_(0, md.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    _write_kv(k_cache, v_cache, md.slot_mapping, key, value)
+    out = _attend_rows(query[0].transpose(0, 1), k_cache, v_cache, md, scaling, sliding_window)
+    return out.unsqueeze(0), None  # [1, T, H, D]
+
+
+def _write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """The step's keys and values into their slots of the layer's cache (traceable: in place)."""
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, hkv, d).index_copy_(0, slots, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, slots, value[0].transpose(0, 1).to(v_cache.dtype))
+
+
+def _attend_rows(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Attention of every row of an eager or mixed step, its keys already in the cache: `q [T, H, D]`
+    (decode rows first, then each prefill chunk); returns `[T, H, D]`."""
     parts = []
     if md.num_decodes and md.inplace_decode:
         tables, lens = md.decode_block_tables, md.decode_seq_lens
@@ -122,8 +150,66 @@ def paged_attention(
         parts.append(
             prefill_attention(q[start : start + n], k_cache, v_cache, blocks, ctx, scaling, sliding_window)
         )
-    out = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return out.unsqueeze(0), None  # [1, T, H, D]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+# A compiled mixed step's metadata, by its slot mapping's data pointer: the op `paged_attention_rows` finds
+# the step's prefill chunks and decode tables here (Python values the layer graph must not see, or every
+# new batch would recompile it). Registered for the step's forward only (`mixed_step`).
+_STEPS: dict[int, AttentionMetadata] = {}
+
+
+@contextmanager
+def mixed_step(md: AttentionMetadata) -> Iterator[None]:
+    """Register `md` for the op while a compiled mixed step runs."""
+    key = md.slot_mapping.data_ptr()
+    _STEPS[key] = md
+    try:
+        yield
+    finally:
+        del _STEPS[key]
+
+
+def _attention_rows_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scaling: float | None,
+    window: int,
+) -> torch.Tensor:
+    md = _STEPS[slot_mapping.data_ptr()]
+    return _attend_rows(q, k_cache, v_cache, md, scaling, window or None)
+
+
+_lib = torch.library.Library("asyncexec", "FRAGMENT")  # type: ignore[no-untyped-call]
+_lib.define(  # type: ignore[no-untyped-call]
+    "paged_attention_rows(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slot_mapping, float? scaling, "
+    "int window) -> Tensor"
+)
+_lib.impl("paged_attention_rows", _attention_rows_op, "CPU")  # type: ignore[no-untyped-call]
+_lib.impl(  # type: ignore[no-untyped-call]
+    "paged_attention_rows", lambda q, k, v, slots, scaling, window: q.new_empty(q.shape), "Meta"
+)
+
+
+def _graph_mixed(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    md: AttentionMetadata,
+    scaling: float | None,
+    window: int | None,
+) -> tuple[torch.Tensor, None]:
+    """A compiled mixed step's attention: the KV write traced (in place, as in `_graph_decode`), the rows'
+    attention one opaque op over the written caches."""
+    k_cache: torch.Tensor = module.k_cache  # type: ignore[assignment]
+    v_cache: torch.Tensor = module.v_cache  # type: ignore[assignment]
+    _write_kv(k_cache, v_cache, md.slot_mapping, key, value)
+    q = query[0].transpose(0, 1)
+    out = torch.ops.asyncexec.paged_attention_rows(q, k_cache, v_cache, md.slot_mapping, scaling, window or 0)
+    return out.unsqueeze(0), None
 
 
 def _decode(
@@ -192,11 +278,9 @@ def _graph_decode(
     q = torch.ops.prims.inductor_force_stride_order(q, q.stride())
     k_cache: torch.Tensor = module.k_cache  # type: ignore[assignment]
     v_cache: torch.Tensor = module.v_cache  # type: ignore[assignment]
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
     # Traced into the layer graph: inductor fuses the write into the attention loops and keeps it in
     # place (the caches are module buffers, mutated in place, never copied)
-    k_cache.view(-1, hkv, d).index_copy_(0, md.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.view(-1, hkv, d).index_copy_(0, md.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    _write_kv(k_cache, v_cache, md.slot_mapping, key, value)
     args = (md.decode_block_tables, md.decode_seq_lens, float(scale_of(scaling, q)), window or 0)
     if paged_decode.serves(q, k_cache):  # the C++ kernel, one opaque op (`paged_decode.py`)
         out = torch.ops.asyncexec.paged_decode(q, k_cache, v_cache, *args)

@@ -22,7 +22,7 @@ import torch
 from asyncexec.config import EngineConfig
 from asyncexec.errors import ConfigError
 from asyncexec.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
-from asyncexec.worker.attention import AttentionMetadata, register_attention
+from asyncexec.worker.attention import MIXED_MIN_TOKENS, AttentionMetadata, mixed_step, register_attention
 from asyncexec.worker.input_batch import InputBatch, PreparedBatch
 from asyncexec.worker.int8_scales import activation_scales
 from asyncexec.worker.prompt_logprobs import PromptLogprobsRows
@@ -83,6 +83,7 @@ class ModelRunner:
             "steps": 0,
             "graph_steps": 0,
             "guard_free_steps": 0,
+            "mixed_graph_steps": 0,
             "forward_s": 0.0,
             "sample_s": 0.0,
             "execute_s": 0.0,
@@ -278,13 +279,17 @@ class ModelRunner:
             b.decode_buckets,
         )
         md.inplace_decode = self.inplace_decode
-        out = self.model(
-            input_ids=b.input_ids.to(dev, non_blocking=True)[None],
-            position_ids=b.positions.to(dev, non_blocking=True)[None],
-            use_cache=False,
-            logits_to_keep=b.logits_indices.to(dev, non_blocking=True),
-            attn_metadata=md,
-        )
+        # CPU graph mode: the layers of a mixed or prefill step run their own compiled graph
+        md.mixed_graph = self.inplace_decode and len(b.input_ids) >= MIXED_MIN_TOKENS
+        self.stats["mixed_graph_steps"] += md.mixed_graph
+        with mixed_step(md):
+            out = self.model(
+                input_ids=b.input_ids.to(dev, non_blocking=True)[None],
+                position_ids=b.positions.to(dev, non_blocking=True)[None],
+                use_cache=False,
+                logits_to_keep=b.logits_indices.to(dev, non_blocking=True),
+                attn_metadata=md,
+            )
         result: torch.Tensor = out.logits[0]
         return result
 

@@ -49,6 +49,7 @@ async def test_no_recompiles_across_200_steps_of_changing_batches(tiny_models: d
     assert stats["steps"] >= 200, stats
     assert stats["graph_steps"] >= 100, stats
     assert stats["guard_free_steps"] == stats["graph_steps"], "graph steps went through dynamo's guards"
+    assert stats["mixed_graph_steps"] >= 20, "mixed steps ran their compiled layer graph"
     assert compiled_graphs() == after_start, "a step compiled a new graph after start-up"
 
 

@@ -18,8 +18,10 @@ import uvloop
 
 from asyncexec import AsyncEngine, EngineConfig, SamplingParams
 
+# the bare "What is the capital of France?" is a near-tie for smollm2 itself ('The' leads 'L' by 0.08
+# nats in float32), so one ulp of rounding can tip it on another CPU; "Answer in one sentence." makes it 1.5
 QUESTIONS = [
-    "What is the capital of France?",
+    "What is the capital of France? Answer in one sentence.",
     "Name three primary colors.",
     "How many days are there in a week?",
     "Write one sentence about the ocean.",

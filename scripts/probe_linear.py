@@ -6,6 +6,9 @@ GEMM, the packed float32 copy on upcast activations that asyncexec uses there), 
 weight-only as asyncexec quantizes it (`aten._weight_int4pack_mm_for_cpu`, a scale and a zero per 32
 inputs; `asyncexec.worker.int4`). Median ms of the whole set, per M, in one process.
 
+`mm W^T`: `torch.mm` on the transposed weight, float32's other layout (asyncexec keeps whichever of it
+and the packed one is faster on the CPU).
+
 Usage: python scripts/probe_linear.py [--model smollm2] [--dtype bfloat16] [--rows 1 4 8 32 512]
 """
 
@@ -52,12 +55,13 @@ def main() -> None:
     if upcast:
         print(f"oneDNN has no {args.dtype} GEMM on this CPU: 'packed' is the float32 copy on upcast rows")
     ours = int8_gemv.load()
-    head = ["rows", "plain ms", "packed ms", "int8 ms", "int8 ours ms", "int4 ms", "packed/plain",
-            "int8/packed", "ours/int8", "int4/int8"]  # fmt: skip
+    head = ["rows", "plain ms", "mm W^T ms", "packed ms", "int8 ms", "int8 ours ms", "int4 ms",
+            "packed/plain", "mmT/packed", "int8/packed", "ours/int8", "int4/int8"]  # fmt: skip
     print(" ".join(f"{h:>12s}" for h in head))
     with torch.inference_mode():
         ws = [(m.weight, m.bias) for m in lins]
         packed = [(torch.ops.mkldnn._reorder_linear_weight(w.float() if upcast else w, 1), b) for w, b in ws]
+        transposed = [w.t().contiguous() for w, _ in ws]  # float32's plain layout (quantization.py)
         quant = [(*quantize_weight(w), b) for w, b in ws]
         quant4 = [quantize_int4(w)[:2] for w, _ in ws]
         for rows in args.rows:
@@ -66,6 +70,10 @@ def main() -> None:
             def plain(xs: dict[int, torch.Tensor] = xs) -> None:
                 for w, b in ws:
                     torch.nn.functional.linear(xs[w.shape[1]], w, b)
+
+            def mm_t(xs: dict[int, torch.Tensor] = xs) -> None:
+                for wt in transposed:
+                    torch.mm(xs[wt.shape[0]], wt)
 
             def onednn(xs: dict[int, torch.Tensor] = xs) -> None:
                 for (pw, b), (w, _) in zip(packed, ws, strict=True):
@@ -88,9 +96,12 @@ def main() -> None:
                 for (pw, sz), (w, _) in zip(quant4, ws, strict=True):
                     torch.ops.aten._weight_int4pack_mm_for_cpu(xs[w.shape[1]], pw, INT4_GROUP, sz)
 
-            a, p, q8, q4 = bench(plain), bench(onednn), bench(int8, 10), bench(int4, 10)
-            o8 = bench(int8_ours, 10) if ours and rows <= 4 else float("nan")
-            print(" ".join(f"{v:12.2f}" for v in (rows, a, p, q8, o8, q4, p / a, q8 / p, o8 / q8, q4 / q8)))
+            a, t, p = bench(plain), bench(mm_t), bench(onednn)
+            nan = float("nan")  # int8 and int4 serve bf16 only (with float32 rows: 30x slower at 32 rows)
+            q8, q4 = (bench(int8, 10), bench(int4, 10)) if dtype == torch.bfloat16 else (nan, nan)
+            o8 = bench(int8_ours, 10) if ours and rows <= 4 and dtype == torch.bfloat16 else nan
+            row = (rows, a, t, p, q8, o8, q4, p / a, t / p, q8 / p, o8 / q8, q4 / q8)
+            print(" ".join(f"{v:12.2f}" for v in row))
 
 
 if __name__ == "__main__":

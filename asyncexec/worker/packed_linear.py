@@ -28,6 +28,7 @@ INT8_MAX_ROWS = 4
 @dataclass
 class _Packed:
     dense: torch.Tensor | None = None  # oneDNN-packed, in dtype or float32 (None: int8 serves every size)
+    plain: bool = False  # dense is the weight transposed, [K, N], for torch.mm (see quantization.py)
     small: torch.Tensor | None = None  # upcast mode: the weight in dtype, for steps of few rows
     qweight: torch.Tensor | None = None  # int8 [N, K]
     scales: torch.Tensor | None = None  # [N], in dtype
@@ -90,6 +91,8 @@ def _matmul(x: torch.Tensor, p: _Packed, bias: torch.Tensor | None) -> torch.Ten
         if p.small is not None:
             return torch.nn.functional.linear(x2, p.small, bias)
     assert p.dense is not None
+    if p.plain:
+        return torch.mm(x2, p.dense) if bias is None else torch.addmm(bias, x2, p.dense)
     if p.dense.dtype == x2.dtype:
         return torch.ops.mkldnn._linear_pointwise(x2, p.dense, bias, "none", [], "")  # type: ignore[no-any-return]
     b32 = None if bias is None else bias.float()  # added before the one rounding, as bf16's matmul does

@@ -17,6 +17,12 @@ compiled decoder layers see as one opaque call and eager forwards call directly:
   and the logits stay in bf16; int8 needs dtype bfloat16 (with float32 activations the kernel is
   slower than packed float32 weights).
 
+- **float32: packed or plain, whichever is faster here.** Which float32 layout multiplies faster depends
+  on the CPU: on a 2-core AVX-512 EPYC the packed weights took 0.3-0.77x the time of `nn.Linear`, on a
+  2-core AMX Xeon `torch.mm` on the transposed weight took 0.58x the packed time at one row, 0.87x at
+  32 and 0.97-1.02x at 64-1,024 (all of SmolLM2's linears), which made the mixed workload 3-7% faster.
+  So `pack_linears` times both on the model's widest linear at 1 and 32 rows (`plain_float32_is_faster`,
+  tens of ms, logged) and keeps the plain layout only where it wins at both.
 - **float32 GEMMs for bf16 on CPUs without oneDNN bf16** (AVX2 only, no AVX-512 or AMX): PyTorch's bf16
   matmul there is a slow fallback whose cost grows with the rows (measured on a 2-core AVX2 EPYC, all of
   SmolLM2's linears: 22 ms at 1 row, 147 ms at 8, 571 ms at 32; float32 149 ms at 32). Steps of at most
@@ -32,6 +38,8 @@ the dense weight's memory is freed (a tied lm_head's embedding keeps its own).
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 import types
 import weakref
 from collections.abc import Mapping
@@ -58,6 +66,7 @@ __all__ = [
     "can_pack",
     "check_quantization",
     "pack_linears",
+    "plain_float32_is_faster",
     "quantize_weight",
 ]
 
@@ -126,6 +135,7 @@ def _pack(
     upcast: bool,
     s: torch.Tensor | None = None,
     lm_head: bool = False,
+    plain: bool = False,
 ) -> _Packed:
     packed = _Packed()
     if quantization == "int4" and not lm_head and int4_fits(w):
@@ -139,9 +149,38 @@ def _pack(
         w = dequantize(packed.qweight, packed.scales, s).to(w.dtype)  # what int8 rows compute with
     elif upcast:
         packed.small = w.contiguous()
-    if pack_dense:
+    if pack_dense and plain:
+        packed.dense, packed.plain = w.t().contiguous(), True
+    elif pack_dense:
         packed.dense = torch.ops.mkldnn._reorder_linear_weight(w.float() if upcast else w, 1)
     return packed
+
+
+PROBE_ROWS = (1, 32)  # a lone stream and a full decode batch
+
+
+def plain_float32_is_faster(weight: torch.Tensor, reps: int = 9) -> tuple[bool, str]:
+    """Whether `torch.mm` on the transposed float32 weight (MKL's or oneDNN's plain GEMM) beats oneDNN's
+    packed layout on this CPU at every `PROBE_ROWS`, timed on `weight`'s shape; and the timings, said."""
+    w = torch.randn(weight.shape, dtype=torch.float32)
+    packed, plain = torch.ops.mkldnn._reorder_linear_weight(w, 1), w.t().contiguous()
+    said, faster = [], True
+    for m in PROBE_ROWS:
+        x = torch.randn(m, w.shape[1])
+        times = []
+        for packed_layout in (True, False):
+            t = []
+            for _ in range(3 + reps):  # 3 to warm up
+                start = time.perf_counter()
+                if packed_layout:
+                    torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+                else:
+                    torch.mm(x, plain)
+                t.append(time.perf_counter() - start)
+            times.append(statistics.median(t[3:]) * 1e3)
+        faster = faster and times[1] < times[0]
+        said.append(f"{m} rows {times[1]:.3f} ms plain vs {times[0]:.3f} ms packed")
+    return faster, ", ".join(said)
 
 
 def _replace(mod: torch.nn.Linear, packed: _Packed) -> None:
@@ -180,6 +219,16 @@ def pack_linears(
         if quantization is None:
             return stats
 
+    plain = False  # float32: the layout that multiplies faster on this CPU
+    if pack_dense and dtype == torch.float32 and quantization is None:
+        widest = max((m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head),
+                     key=lambda w: w.numel(), default=None)  # fmt: skip
+        if widest is not None:
+            plain, said = plain_float32_is_faster(widest)
+            logger.info("float32 linears keep the %s layout on this CPU (%s, a %dx%d weight)",
+                        "plain" if plain else "oneDNN-packed", said, *widest.shape)  # fmt: skip
+    stats["plain"] = int(plain)
+
     def count(w: torch.Tensor, p: _Packed, share: float = 1.0) -> None:
         """`share`: a group member's part of the group's weights."""
         stats["bytes_before"] += w.numel() * w.element_size()
@@ -193,7 +242,9 @@ def pack_linears(
         ws = [m.weight.detach() for m in members]
         s = act.get(members[0])
         shared = all(act.get(m) is s for m in members)  # siblings' scales come from their one input
-        group_packed = _pack(torch.cat(ws), quantization, pack_dense, upcast, s if shared else None)
+        group_packed = _pack(
+            torch.cat(ws), quantization, pack_dense, upcast, s if shared else None, plain=plain
+        )
         if members[0].bias is not None:
             group_packed.bias = torch.cat([m.bias.detach() for m in members if m.bias is not None])
         starts = [sum(w.shape[0] for w in ws[:i]) for i in range(len(ws))]
@@ -217,7 +268,9 @@ def pack_linears(
         w = weight.detach()
         if hasattr(w, "to_local"):  # a DTensor of transformers' tensor parallelism: this rank's shard
             w = w.to_local()
-        packed = _pack(w, quantization, pack_dense, upcast, act.get(module), lm_head=module is head)
+        packed = _pack(
+            w, quantization, pack_dense, upcast, act.get(module), lm_head=module is head, plain=plain
+        )
         _replace(module, packed)
         count(w, packed)
         stats["linears"] += 1

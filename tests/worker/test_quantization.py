@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from asyncexec import AsyncEngine, ConfigError, EngineConfig, SamplingParams, WorkerStartupError
+from asyncexec.worker import quantization
 from asyncexec.worker.int4 import dequantize_int4
 from asyncexec.worker.packed_linear import _REGISTRY
 from asyncexec.worker.quantization import INT8_MAX_ROWS, can_pack, pack_linears, quantize_weight
 
 
-def _linear(n: int, k: int, dtype: torch.dtype) -> torch.nn.Linear:
+def _linear(n: int, k: int, dtype: torch.dtype, bias: bool = True) -> torch.nn.Linear:
     gen = torch.Generator().manual_seed(0)
-    lin = torch.nn.Linear(k, n, bias=True)
+    lin = torch.nn.Linear(k, n, bias=bias)
     with torch.no_grad():  # rows of very different magnitudes: a per-tensor scale would lose the small ones
         lin.weight.copy_(torch.randn(n, k, generator=gen) * torch.logspace(-2, 1, n)[:, None])
     return lin.to(dtype)
@@ -52,16 +53,25 @@ def test_int8_linear_computes_with_the_dequantized_weight_at_every_size(rows: in
     assert (want - unquantized).abs().max() > 10 * (got - want).abs().max()  # it is the quantized model
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_packed_linear_equals_the_plain_one_eager_and_compiled(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "plain"), [(torch.bfloat16, False), (torch.float32, False), (torch.float32, True)]
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_the_plain_one_eager_and_compiled(
+    dtype: torch.dtype, plain: bool, bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """float32 in both layouts: whichever multiplies faster on this CPU (`plain_float32_is_faster`) is
+    taken, so each is forced here."""
     if not can_pack(dtype):  # no AVX-512 or AMX: see test_where_onednn_cannot_pack_linears_stay_...
         pytest.skip(f"oneDNN cannot pack {dtype} weights on this CPU")
-    lin = _linear(48, 64, dtype)
+    monkeypatch.setattr(quantization, "plain_float32_is_faster", lambda w: (plain, "forced"))
+    lin = _linear(48, 64, dtype, bias=bias)
     x = torch.randn(3, 64).to(dtype)
     with torch.inference_mode():
         want = lin(x)
         stats = pack_linears(torch.nn.Sequential(lin), None)
         assert stats["linears"] == 1 and tuple(lin.weight.stride()) == (0, 0)  # the dense weight is gone
+        assert stats["plain"] == plain
         tol = 1e-4 if dtype == torch.float32 else 1.6e-2  # float32: another summation order
         torch.testing.assert_close(lin(x), want, rtol=tol, atol=tol)
         torch.testing.assert_close(torch.compile(lin)(x), want, rtol=tol, atol=tol)

@@ -251,9 +251,20 @@ async def test_a_step_failing_outside_the_workers_reaches_every_caller(
     tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:
     async with AsyncEngine(engine_config(tiny_models["llama"])) as engine:
-        long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-        tasks = [asyncio.ensure_future(collect(engine, list(range(i + 3)), long)) for i in range(4)]
-        await asyncio.sleep(0.05)  # streaming by now
+        long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        streaming = [asyncio.Event() for _ in range(4)]
+
+        async def run(i: int) -> RequestOutput:
+            last = None
+            async for out in engine.generate(list(range(i + 3)), long):
+                streaming[i].set()
+                last = out
+            assert last is not None
+            return last
+
+        tasks = [asyncio.ensure_future(run(i)) for i in range(4)]
+        # every request streaming (a fixed sleep let a fast machine finish them all before the fault)
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), 10)
 
         def broken(*args: object) -> None:
             raise RuntimeError(f"{method} broke")

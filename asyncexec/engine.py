@@ -35,8 +35,10 @@ from asyncexec.errors import (
     ExecutorClosedError,
     InvalidRequestError,
     RequestFailedError,
+    WorkerFailedError,
 )
 from asyncexec.executor import Executor
+from asyncexec.messages import SchedulerOutput
 from asyncexec.metrics import EngineMetrics
 from asyncexec.outputs import RequestOutput
 from asyncexec.parallel_sampling import ParentRequests, make_requests
@@ -141,6 +143,14 @@ class AsyncEngine:
         return list(self._supervisor.restart_seconds)
 
     @property
+    def max_seq_len(self) -> int:
+        """The most tokens (prompt and output) one request can reach: `max_model_len`, or fewer where the
+        KV cache holds fewer. A request whose prompt and `max_tokens` need more is refused."""
+        if self._inputs is None:
+            raise ExecutorClosedError("engine is not started: use `async with` or `await engine.start()`")
+        return self._inputs.max_seq_len
+
+    @property
     def is_closed(self) -> bool:
         """True once `shutdown()` has begun."""
         return self._closed
@@ -166,6 +176,7 @@ class AsyncEngine:
         assert self._inputs is not None
         sp = self._inputs.sampling_params(sampling_params)
         ids = self._inputs.tokenize(prompt)
+        self._inputs.check_fits(len(ids), sp)
         rid = f"req-{next(self._ids)}" if request_id is None else request_id
         if not isinstance(rid, str) or not rid:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {rid!r}")
@@ -222,9 +233,11 @@ class AsyncEngine:
     # ----- stepping ---------------------------------------------------------------------------------
 
     async def step(self) -> list[RequestOutput]:
-        """One scheduling step: an output for every request that progressed or finished in it. A failure
-        of the step fails the engine and reaches every caller (unless a restart heals a worker death); one
-        of a request's own processing (stop check, detokenization) finishes it alone with "error"."""
+        """One scheduling step: an output for every request that progressed or finished in it. An error a
+        rank raised running the step (`WorkerFailedError`) finishes the step's requests with "error" and
+        the engine serves on; any other failure of the step fails the engine and reaches every caller
+        (unless a restart heals a worker death); one of a request's own processing (stop check,
+        detokenization) finishes it alone with "error"."""
         sched = self._live_scheduler()
         assert self._lock is not None
         async with self._lock:
@@ -244,6 +257,12 @@ class AsyncEngine:
                 out = await self.executor.execute_model(so)
             except asyncio.CancelledError:
                 raise
+            except WorkerFailedError as e:  # a rank raised in the step (a kernel's error) and serves on
+                if self.executor.is_failed:
+                    await self._heal_or_die(e, sched)
+                    return []
+                failed_step = self._fail_step(sched, so, e)
+                return [routed for o in rejected + failed_step for routed in self._deliver(o)]
             except BaseException as e:
                 await self._heal_or_die(e, sched)
                 return []
@@ -277,6 +296,18 @@ class AsyncEngine:
             except BaseException as failed:
                 exc, death = failed, worker_death(failed)
         raise self._die(death or exc)  # the death behind a closed executor; a non-asyncexec error wrapped
+
+    def _fail_step(
+        self, sched: Scheduler, so: SchedulerOutput, exc: WorkerFailedError
+    ) -> list[RequestOutput]:
+        """A step that a rank failed to run: its requests finish with "error" (their blocks freed), the
+        engine serves on. A rank may have failed before applying the step's deltas, so the requests it
+        finished are sent again with the next step (dropping a request it no longer holds is a no-op)."""
+        logger.error("step %d failed on the workers; its %d requests fail with it", so.step_id,
+                     len(so.num_scheduled_tokens))  # fmt: skip
+        sched.resend_finished(so.finished_req_ids)
+        reqs = [req for rid in so.num_scheduled_tokens if (req := sched.requests.get(rid)) is not None]
+        return [self._fail_request(sched, req, exc) for req in reqs]
 
     def _fail_request(self, sched: Scheduler, req: Request, exc: Exception) -> RequestOutput:
         """Finish one request with "error" (its blocks freed); its stream gets the error, not an output."""

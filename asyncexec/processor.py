@@ -16,7 +16,7 @@ from asyncexec.detokenizer import RequestDetokenizer
 from asyncexec.errors import InvalidRequestError
 from asyncexec.outputs import RequestOutput
 from asyncexec.request import Request
-from asyncexec.sampling_params import SamplingParams
+from asyncexec.sampling_params import SamplingParams, check_token_ids_in_vocab
 
 __all__ = ["InputProcessor", "OutputProcessor", "load_tokenizer"]
 
@@ -34,6 +34,10 @@ class InputProcessor:
         self.vocab_size: int = model_info["vocab_size"]
         self.eos_token_ids: list[int] = list(model_info.get("eos_token_ids", []))
         self.num_blocks = num_blocks
+        # the tokens one sequence can reach: max_model_len, or fewer where the KV cache holds fewer (its
+        # usable blocks hold `kv_capacity` computed tokens; the last sampled token is never computed)
+        self.kv_capacity = (num_blocks - 1) * config.block_size
+        self.max_seq_len: int = min(self.max_model_len, self.kv_capacity + 1)
 
     def sampling_params(self, sp: SamplingParams | None) -> SamplingParams:
         """`sp` (default: `SamplingParams()`), checked against what this engine can return, with the
@@ -49,12 +53,7 @@ class InputProcessor:
                     f"{name}: at most max_logprobs={self.config.max_logprobs} (and the vocabulary's "
                     f"{self.vocab_size}), got {value}"
                 )
-        out_of_vocab = [t for t in sp.logit_bias or {} if t >= self.vocab_size]
-        if out_of_vocab:
-            raise InvalidRequestError(
-                f"logit_bias: token ids must be below the vocabulary's {self.vocab_size}, "
-                f"got {out_of_vocab[:5]}"
-            )
+        check_token_ids_in_vocab(sp, self.vocab_size)
         if self.tokenizer is None and (sp.stop_strings or sp.bad_words):
             field_name = "stop" if sp.stop_strings else "bad_words"
             raise InvalidRequestError(f"{field_name}: strings need a tokenizer in the model folder")
@@ -107,6 +106,22 @@ class InputProcessor:
                 f"prompt of {len(ids)} tokens needs more KV blocks than the cache holds"
             )
         return ids
+
+    def check_fits(self, num_prompt_tokens: int, sp: SamplingParams) -> None:
+        """Refuse a request the KV cache could never hold, even alone: its prompt and `max_tokens` (up to
+        max_model_len) need more computed tokens than the cache's usable blocks hold. Scheduled, it
+        would be preempted for want of a block and wait forever for blocks that never come."""
+        total = min(num_prompt_tokens + sp.max_tokens, self.max_model_len)
+        needed = max(total - 1, num_prompt_tokens)  # the last sampled token is never computed
+        if needed > self.kv_capacity:
+            bs = self.config.block_size
+            raise InvalidRequestError(
+                f"max_tokens: a prompt of {num_prompt_tokens} tokens with max_tokens={sp.max_tokens} "
+                f"needs {needed} tokens of KV cache, but the cache holds {self.kv_capacity} "
+                f"({self.num_blocks - 1} blocks of {bs}); lower max_tokens (at most "
+                f"{max(self.kv_capacity + 1 - num_prompt_tokens, 0)}) or raise kv_cache_memory_bytes",
+                param="max_tokens",
+            )
 
 
 class OutputProcessor:

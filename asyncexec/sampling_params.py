@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 from typing import Any
 
 import msgspec
@@ -23,6 +24,11 @@ from asyncexec.errors import InvalidRequestError
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 8
+# The longest stop string, in characters. Every step scans each stop string's prefixes against the end of
+# the text (`detokenizer.held_back`), at a cost linear in its length (about 0.25 ms per 1,000 characters
+# per request per step): 100,000 characters would stall every step. Stop strings in use are markers and
+# phrases far shorter than this; vLLM sets no cap.
+MAX_STOP_STRING_CHARS = 1000
 # A bound on the copies one request may fan out to: each is a scheduled sequence of its own.
 MAX_N = 128
 # OpenAI's range for a logit bias; larger values are clamped to it, not refused.
@@ -33,9 +39,11 @@ __all__ = [
     "LOGIT_BIAS_LIMIT",
     "MAX_N",
     "MAX_STOP_STRINGS",
+    "MAX_STOP_STRING_CHARS",
     "GuidedDecodingParams",
     "SamplingParams",
     "StructuredOutputsParams",
+    "check_token_ids_in_vocab",
 ]
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -220,7 +228,13 @@ class SamplingParams(
         stop = self.stop_strings
         if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
             raise InvalidRequestError(
-                f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS}, got {stop!r}"
+                f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS}, "
+                f"got {reprlib.repr(stop)}"
+            )
+        longest = max(len(s) for s in stop) if stop else 0
+        if longest > MAX_STOP_STRING_CHARS:
+            raise InvalidRequestError(
+                f"stop: each stop string must be at most {MAX_STOP_STRING_CHARS} characters, got {longest}"
             )
         for name in ("stop_token_ids", "all_stop_token_ids"):
             if not all(_is_int(t) and t >= 0 for t in getattr(self, name)):
@@ -258,6 +272,17 @@ class SamplingParams(
             or self.min_tokens
             or self.bad_words_token_ids
         )
+
+
+def check_token_ids_in_vocab(sp: SamplingParams, vocab_size: int) -> None:
+    """Refuse token ids a model of `vocab_size` tokens does not have (the engine's check, at admission:
+    the params alone do not know the vocabulary)."""
+    for name, ids in (("stop_token_ids", sp.stop_token_ids), ("logit_bias", list(sp.logit_bias or {}))):
+        out_of_vocab = [t for t in ids if t >= vocab_size]
+        if out_of_vocab:
+            raise InvalidRequestError(
+                f"{name}: token ids must be below the vocabulary's {vocab_size}, got {out_of_vocab[:5]}"
+            )
 
 
 def _is_int(value: object) -> bool:

@@ -56,9 +56,12 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.attention_crossover = attention_crossover  # see `_cap_prefill`
-        self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # A request stops ("length") before it outgrows the whole cache, so one running alone always gets
+        # its blocks: never preempted for blocks that cannot come (the engine refuses a request whose
+        # max_tokens would reach this bound first; see `InputProcessor.check_fits`).
+        self.max_model_len = min(max_model_len, self.kv.pool.num_usable * config.block_size + 1)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -127,6 +130,10 @@ class Scheduler:
             req.known_to_workers = False
         self._finished_ids.clear()
         return len(self.waiting)
+
+    def resend_finished(self, req_ids: Sequence[str]) -> None:
+        """Tell the workers again, in the next step, that `req_ids` finished (a step they failed to apply)."""
+        self._finished_ids.extend(req_ids)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)

@@ -74,6 +74,19 @@ class ExecutorSupervisor:
             bs,
             num_blocks * block_bytes / 2**20,
         )
+        holds = (num_blocks - 1) * bs  # block 0 is the null block
+        if holds + 1 < max_model_len:  # vLLM refuses to start; the requests that fit are still served
+            logger.warning(
+                "the KV cache holds %d tokens (%d blocks of %d), fewer than one sequence of "
+                "max_model_len=%d: requests whose prompt and max_tokens need more are refused; raise "
+                "kv_cache_memory_bytes "
+                "(%d bytes hold a whole sequence) or lower max_model_len",
+                holds,
+                num_blocks - 1,
+                bs,
+                max_model_len,
+                (per_seq + 1) * block_bytes,
+            )
         return int(num_blocks)
 
     @property

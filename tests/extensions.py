@@ -109,3 +109,17 @@ class Rank0FailsAtInitExtension:
                 f.write(repr(time.time()))
             os._exit(1)
         super().init_device()  # type: ignore[misc]
+
+
+class FailingStepExtension:
+    """`execute_model` raises on every rank, as a failing kernel would, in a step that schedules a request
+    whose id starts with "boom"; the process serves on. (Every rank: one rank failing alone would leave
+    the others waiting in the forward's collectives.)"""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        ids = [r.req_id for r in scheduler_output.scheduled_new_reqs]
+        ids += scheduler_output.scheduled_cached_reqs.req_ids
+        bad = [rid for rid in ids if rid.startswith("boom")]
+        if bad:
+            raise RuntimeError(f"kernel failed on {bad[0]}")
+        return super().execute_model(scheduler_output)  # type: ignore[misc,no-any-return]

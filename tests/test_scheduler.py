@@ -279,3 +279,20 @@ def test_a_lone_long_prefill_takes_the_whole_budget() -> None:
     add(sched, "b", 40)
     so, _ = step(sched)
     assert so.num_scheduled_tokens == {"b": 40}
+
+
+def test_a_lone_request_stops_at_what_the_cache_holds_and_is_never_preempted() -> None:
+    # 6 usable blocks of 4 hold 24 computed tokens, far under max_model_len=256: the request ends there
+    # ("length", 25 tokens: the last sampled one is never computed) instead of preempting itself for a
+    # seventh block that can never come, and waiting for it forever at the head of the queue
+    sched = make(num_blocks=7, max_num_batched_tokens=32, enable_prefix_caching=False)
+    req = add(sched, "a", 8, ignore_eos=True)
+    behind = add(sched, "b", 3, max_tokens=1)
+    for _ in range(40):
+        if not sched.has_unfinished_requests():
+            break
+        step(sched)
+    assert req.finish_reason == "length" and req.num_tokens == 25 and len(req.output_token_ids) == 17
+    assert behind.finish_reason == "length", "the request behind it is served"
+    assert sched.num_preemptions == 0
+    assert sched.kv.pool.num_free == sched.kv.pool.num_usable

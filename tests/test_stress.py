@@ -262,6 +262,30 @@ def test_a_bfloat16_stress_run_reports_the_greedy_check_skipped(
     assert "stress: greedy check skipped: bfloat16" in r.stderr
 
 
+@pytest.mark.timeout(200)
+def test_long_prompts_on_int8_and_oversize_requests_keep_every_invariant(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """The two conditions that once broke the engine: prompts longer than a step's token budget with int8
+    weights (the first chunks sample nothing: 0 rows reached the lm_head), and, with a KV cache smaller
+    than one max_model_len sequence (the default cache), requests that need more than it holds (they
+    were preempted for blocks that never came and blocked the queue)."""
+    report_path = tmp_path / "stress.json"
+    argv = [sys.executable, "-m", "asyncexec", "stress", "--model", str(tiny_models["llama"]), "--dtype"]
+    argv += ["bfloat16", "--quantization", "int8", "--enforce-eager", "--max-num-batched-tokens", "32"]
+    argv += ["--long-prompt-rate", "0.3", "--oversize-rate", "0.1", "--requests", "80", "--warmup", "1"]
+    argv += ["--json", str(report_path), "--no-progress", "--max-rss-growth", "1.0"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["passed"] and report["failures"] == []
+    req, kinds = report["requests"], report["kinds"]
+    assert kinds["long"] >= 10 and kinds["oversize"] >= 3, kinds
+    assert req["lost"] == 0 and req["errored"] == 0 and req["accepted-bad"] == 0
+    assert req["rejected"] >= kinds["oversize"], "every oversize request is refused at admission"
+    assert "fewer than one sequence of max_model_len" in r.stderr
+
+
 def test_the_killer_waits_for_each_restart_and_stops_at_the_deadline() -> None:
     """A restart slower than --kill-worker-every (the real model's) is not killed again while it loads,
     and the drain after --duration is left alone."""

@@ -145,7 +145,7 @@ class OpenAIServing:
         ids = await encode_chat(tok, messages, self.engine.model_info["max_model_len"], tool_defs)
         max_tokens = req.max_completion_tokens or req.max_tokens
         if max_tokens is None:
-            max_tokens = max(1, self.engine.model_info["max_model_len"] - len(ids))
+            max_tokens = max(1, self.engine.max_seq_len - len(ids))  # what the KV cache holds, too
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         sp = req.sampling_params(
             max_tokens, logprobs, req.prompt_logprobs, structured=structured[1] if structured else None

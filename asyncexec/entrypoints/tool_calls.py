@@ -3,12 +3,16 @@
 - A named `tool_choice` (`{"type": "function", "function": {"name": ...}}`) constrains the output to
   that function's `parameters` schema; the output is the call's `arguments`.
 - `"required"` constrains the output to a JSON array of `{"name", "parameters"}` objects, each one of
-  the tools (vLLM's schema; one item only with `parallel_tool_calls: false`).
+  the tools (vLLM's schema), of at most `MAX_TOOL_CALLS` items: one with `parallel_tool_calls: false`,
+  and one per tool where no tool takes parameters (calling such a function twice in a turn only repeats
+  it; a model would otherwise go on repeating `{"name": "now", "parameters": {}}` to `max_tokens`).
 - `"auto"` (the default with tools) and `"none"` leave the output free, so telling a call from text
   needs the model's own format: `--tool-call-parser hermes` reads `<tool_call>{"name": ...,
   "arguments": {...}}</tool_call>` blocks (Hermes, Qwen 2.5 and others write them). Without a parser
   the server answers 400. With `"none"` nothing is parsed: the output is the message's content.
-A choice that made calls ends with `finish_reason: "tool_calls"` (a length stop stays "length").
+A choice that made calls ends with `finish_reason: "tool_calls"`. A length stop stays "length", as in
+OpenAI; with `"required"` its message then carries the calls completed before the cut as `tool_calls`
+(what a stream had already sent) and drops the cut one, or has the text as `content` if none completed.
 Streamed, a named call's arguments arrive token by token; `"required"` and hermes calls arrive whole,
 each in its own delta, as soon as they are complete (text before a hermes call streams as content).
 """
@@ -26,13 +30,24 @@ import msgspec
 from asyncexec.errors import InvalidRequestError
 from asyncexec.outputs import RequestOutput
 
-__all__ = ["TOOL_CALL_PARSERS", "ChatTool", "NamedToolChoice", "ToolCalls", "parse_hermes", "tool_calls_for"]
+__all__ = [
+    "MAX_TOOL_CALLS",
+    "TOOL_CALL_PARSERS",
+    "ChatTool",
+    "NamedToolChoice",
+    "ToolCalls",
+    "parse_hermes",
+    "tool_calls_for",
+]
 
 TOOL_CALL_PARSERS = ("hermes",)
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _HERMES_OPEN = "<tool_call>"
 # OpenAI: a function without `parameters` takes none, so its arguments are exactly `{}`
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+# The most calls in one `"required"` turn: more than a turn plausibly needs, few enough that a model
+# repeating one call stops within a few hundred tokens
+MAX_TOOL_CALLS = 16
 
 
 class FunctionDefinition(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -91,16 +106,19 @@ class ToolCalls:
         if self.mode == "auto":
             content, calls = parse_hermes(text)
             return content, calls if self.parallel else calls[:1]
-        items = _complete_items(text)
-        if not items or not text.rstrip().endswith("]"):
+        calls = _required_calls(text)
+        if not calls or not text.rstrip().endswith("]"):
             return text, []
-        return None, [(str(i["name"]), json.dumps(i["parameters"])) for i in items]
+        return None, calls
 
     def message(self, out: RequestOutput, text: str) -> tuple[dict[str, Any], str | None]:
         """The non-streamed `message` and `finish_reason` of a choice."""
-        content, calls = (
-            self.calls(text) if out.finish_reason != "length" or self.mode == "auto" else (text, [])
-        )
+        if out.finish_reason != "length" or self.mode == "auto":
+            content, calls = self.calls(text)
+        elif self.mode == "required" and (done := _required_calls(text)):
+            content, calls = None, done
+        else:
+            content, calls = text, []
         msg: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             msg["tool_calls"] = [_call(name, args) for name, args in calls]
@@ -120,7 +138,7 @@ class ToolCalls:
             delta["tool_calls"] = [{"index": 0, **head, "function": fn}]
             return delta, _finish(out, True)
         if self.mode == "required":
-            calls = [(str(i["name"]), json.dumps(i["parameters"])) for i in _complete_items(full)]
+            calls = _required_calls(full)
         else:
             content_end = full.find(_HERMES_OPEN)
             if content_end < 0:  # hold back what may start a tool call
@@ -163,6 +181,11 @@ def _open_prefix(text: str) -> int:
         if _HERMES_OPEN.startswith(text[-k:]):
             return k
     return 0
+
+
+def _required_calls(text: str) -> list[tuple[str, str]]:
+    """The `(name, arguments)` of each complete item of a `"required"` array written so far."""
+    return [(str(i["name"]), json.dumps(i["parameters"])) for i in _complete_items(text)]
 
 
 def _complete_items(text: str) -> list[dict[str, Any]]:
@@ -219,7 +242,8 @@ def tool_calls_for(
 
 
 def _required_schema(params: dict[str, dict[str, Any]], parallel: bool | None) -> dict[str, Any]:
-    """vLLM's schema for `"required"`: an array of calls, each `{"name": <a tool>, "parameters": ...}`."""
+    """vLLM's schema for `"required"`: an array of calls, each `{"name": <a tool>, "parameters": ...}`,
+    bounded as the module's notes say."""
     options = [
         {
             "type": "object",
@@ -229,7 +253,12 @@ def _required_schema(params: dict[str, dict[str, Any]], parallel: bool | None) -
         }
         for name, schema in params.items()
     ]
-    array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": options}}
+    most = len(params) if all(schema == _EMPTY_PARAMETERS for schema in params.values()) else MAX_TOOL_CALLS
     if parallel is False:
-        array["maxItems"] = 1
-    return array
+        most = 1
+    return {
+        "type": "array",
+        "minItems": 1,
+        "maxItems": min(most, MAX_TOOL_CALLS),
+        "items": {"anyOf": options},
+    }

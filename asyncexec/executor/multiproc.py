@@ -218,8 +218,11 @@ class MultiProcExecutor(Executor):
 
     def _on_reply(self, msg: RPCReplyFrame) -> None:
         call = self._pending.get(msg.call_id)
-        try:  # always decode: that is what releases tensors the reply carries
-            result = self._decoder.decode(msg.result, call.result_type if call else Any)
+        # always decode: that is what releases tensors the reply carries (a failed call's result is None,
+        # whatever type a success would have had)
+        result_type = call.result_type if call is not None and msg.error is None else Any
+        try:
+            result = self._decoder.decode(msg.result, result_type)
             reply: _Reply = (result, msg.error)
         except ProtocolError as e:
             reply = (None, RemoteError("ProtocolError", str(e), ""))

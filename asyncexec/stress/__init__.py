@@ -5,6 +5,12 @@ client part-way (closing the stream, or cancelling the task), some invalid on pu
 copies of reference prompts whose output must equal the reference computed before any worker was
 killed. `--kill-worker-every S` SIGKILLs a random worker rank (mp only; restarting is then on).
 
+Two more kinds probe the engine's limits: "long" requests (`--long-prompt-rate`) have a prompt longer than a
+step's token budget, so their prefill is chunked and its first chunks sample nothing (run with
+`--quantization int8` and a small `--max-num-batched-tokens`: that once killed a quantized engine);
+"oversize" ones (`--oversize-rate`) ask for more tokens than the KV cache holds, where it holds less than
+one `max_model_len` sequence (as the default cache does), and must be refused, never left waiting.
+
 The run fails (exit status 1) when a request was lost or errored, a bad request was accepted, a greedy
 output disagreed with its reference, the KV pool did not return to full, RSS grew by more than
 `--max-rss-growth` after warm-up, or a file descriptor or `/dev/shm/asyncexec-*` segment leaked.
@@ -65,6 +71,20 @@ def add_stress_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--bad-request-rate", type=float, default=0.05, help="share of invalid requests (0.05)")
     g.add_argument("--reference-rate", type=float, default=0.2, help="share of greedy reference copies (0.2)")
+    g.add_argument(
+        "--long-prompt-rate",
+        type=float,
+        default=0.05,
+        help="share of prompts longer than a step's token budget (--max-num-batched-tokens), prefilled in "
+        "chunks whose first ones sample nothing, up to 3 budgets or what the model and KV cache hold (0.05)",
+    )
+    g.add_argument(
+        "--oversize-rate",
+        type=float,
+        default=0.05,
+        help="share of requests whose prompt and max_tokens need more KV cache than it holds, which must "
+        "be refused; drawn only where the cache holds less than one max_model_len sequence (0.05)",
+    )
     g.add_argument(
         "--kill-worker-every",
         type=float,
@@ -196,6 +216,10 @@ def run_stress(
         ns.duration = 60.0
     if ns.requests is not None and ns.duration is not None:
         raise ConfigError("give --duration or --requests, not both")
+    rates = ("bad_request_rate", "reference_rate", "abort_rate", "long_prompt_rate", "oversize_rate")
+    if any(not 0 <= getattr(ns, r) <= 1 for r in rates) or sum(getattr(ns, r) for r in rates) > 1:
+        shares = ", ".join(f"--{r.replace('_', '-')} {getattr(ns, r):g}" for r in rates)
+        raise ConfigError(f"the request shares must each be in [0, 1] and sum to at most 1, got {shares}")
     if ns.kill_worker_every is not None and ns.kill_worker_every <= 0:
         raise ConfigError(f"--kill-worker-every must be > 0, got {ns.kill_worker_every}")
     with tempfile.TemporaryDirectory(prefix="asyncexec-stress-") as tmp:

@@ -7,7 +7,7 @@ import statistics
 from typing import Any
 
 from asyncexec.config import EngineConfig
-from asyncexec.stress.run import KINDS, StressResult
+from asyncexec.stress.run import KINDS, REFUSED_KINDS, StressResult
 
 __all__ = ["build_report", "print_report"]
 
@@ -32,7 +32,11 @@ def build_report(ns: argparse.Namespace, config: EngineConfig, result: StressRes
         for k in ("finished", "aborted", "rejected", "errored", "accepted-bad")
     }
     lost = sum(r.outcome is None for r in run.records)
-    ok = [r for r in run.records if r.outcome == "finished" and r.end is not None and r.kind != "bad"]
+    ok = [
+        r
+        for r in run.records
+        if r.outcome == "finished" and r.end is not None and r.kind not in REFUSED_KINDS
+    ]
     lat = [r.end - r.start for r in ok if r.end is not None]
     ttft = [r.first_token - r.start for r in ok if r.first_token is not None]
     failures = []

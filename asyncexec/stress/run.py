@@ -14,15 +14,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from asyncexec.config import EngineConfig
 from asyncexec.engine import AsyncEngine
 from asyncexec.errors import AsyncExecError, InvalidRequestError
 from asyncexec.ipc.shm import SHM_DIR
 from asyncexec.sampling_params import SamplingParams
 
-__all__ = ["KINDS", "Record", "StressResult", "StressRun", "stress"]
+__all__ = ["KINDS", "REFUSED_KINDS", "Record", "StressResult", "StressRun", "stress"]
 
-KINDS = ("normal", "reference", "abort", "cancel", "bad")
+KINDS = ("normal", "reference", "abort", "cancel", "bad", "long", "oversize")
+REFUSED_KINDS = ("bad", "oversize")  # requests that must be refused at admission
 
 
 @dataclass
@@ -91,23 +94,20 @@ async def _one(
     engine: AsyncEngine, run: StressRun, refs: list[tuple[list[int], list[int]]], ns: argparse.Namespace
 ) -> None:
     rng = run.rng
-    r = rng.random()
-    kind = (
-        "bad"
-        if r < ns.bad_request_rate
-        else "reference"
-        if r < ns.bad_request_rate + ns.reference_rate
-        else rng.choice(("abort", "cancel"))
-        if r < ns.bad_request_rate + ns.reference_rate + ns.abort_rate
-        else "normal"
-    )
-    rec = Record(kind, time.monotonic())
-    run.records.append(rec)
+    kind = _draw_kind(rng, ns)
     vocab = engine.model_info["vocab_size"]
     prompt: Any = [rng.randrange(vocab) for _ in range(rng.randint(1, ns.max_prompt_len))]
     sp = SamplingParams(
         max_tokens=rng.randint(1, ns.max_output_len), temperature=0.8, seed=rng.randrange(1 << 30)
     )
+    shaped = _shape(engine, rng, kind, sp.max_tokens)
+    if shaped is None and kind in ("long", "oversize"):
+        kind = "normal"  # the engine's limits leave no room for such a request
+    elif shaped is not None:
+        prompt = [rng.randrange(vocab) for _ in range(shaped[0])]
+        sp = msgspec.structs.replace(sp, max_tokens=shaped[1])
+    rec = Record(kind, time.monotonic())
+    run.records.append(rec)
     ref: list[int] | None = None
     if kind == "reference":
         prompt, ref = rng.choice(refs)
@@ -141,7 +141,7 @@ async def _one(
                 rec.outcome = "aborted"
         else:
             toks = await consume()
-            if kind == "bad":
+            if kind in REFUSED_KINDS:
                 rec.outcome = "accepted-bad"
             if ref is not None and run.greedy_skip is None:
                 run.greedy_checked += 1
@@ -150,11 +150,42 @@ async def _one(
         if rec.outcome is None:
             rec.outcome = "finished"
     except InvalidRequestError as e:
-        rec.outcome = "rejected" if kind == "bad" else "errored"
-        rec.error = None if kind == "bad" else str(e)
+        rec.outcome = "rejected" if kind in REFUSED_KINDS else "errored"
+        rec.error = None if kind in REFUSED_KINDS else str(e)
     except AsyncExecError as e:
         rec.outcome, rec.error = "errored", str(e).splitlines()[0]
     rec.end = time.monotonic()
+
+
+def _draw_kind(rng: random.Random, ns: argparse.Namespace) -> str:
+    """A request's kind, by the flags' shares (what they leave is "normal")."""
+    r = rng.random()
+    for kind, share in (("bad", ns.bad_request_rate), ("reference", ns.reference_rate),
+                        ("abort", ns.abort_rate), ("long", getattr(ns, "long_prompt_rate", 0.0)),
+                        ("oversize", getattr(ns, "oversize_rate", 0.0))):  # fmt: skip
+        if r < share:
+            return rng.choice(("abort", "cancel")) if kind == "abort" else kind
+        r -= share
+    return "normal"
+
+
+def _shape(engine: AsyncEngine, rng: random.Random, kind: str, max_tokens: int) -> tuple[int, int] | None:
+    """(prompt length, max_tokens) of a "long" request (a prompt longer than a step's token budget, so
+    its prefill is chunked and its first chunks sample nothing) or an "oversize" one (a prompt and
+    max_tokens that need more KV cache than it holds, which the engine must refuse); None where the
+    engine's limits leave no room for one (or for another kind)."""
+    if kind not in ("long", "oversize"):
+        return None
+    longest = engine.max_seq_len  # max_model_len, or fewer where the KV cache holds fewer
+    if kind == "long":
+        budget = engine.config.max_num_batched_tokens
+        top = min(3 * budget, longest - max_tokens)
+        return (rng.randint(budget + 1, top), max_tokens) if top > budget else None
+    if kind == "oversize" and longest < engine.model_info["max_model_len"]:
+        prompt = rng.randint(1, longest - 1)  # the cache holds longest - 1 computed tokens
+        most = engine.model_info["max_model_len"] - prompt
+        return prompt, rng.randint(min(longest + 1 - prompt, most), most)
+    return None
 
 
 async def _collect(engine: AsyncEngine, prompt: list[int], sp: SamplingParams) -> list[int]:

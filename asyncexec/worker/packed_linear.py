@@ -83,7 +83,9 @@ def _matmul(x: torch.Tensor, p: _Packed, bias: torch.Tensor | None) -> torch.Ten
         if p.qweight is not None:
             assert p.scales is not None
             xq = x2.contiguous() if p.inv_s is None else x2 * p.inv_s
-            if p.gemv and x2.shape[0] <= INT8_MAX_ROWS:  # (without a dense copy int8 serves every size)
+            # without a dense copy int8 serves every size; asyncexec's kernel takes 1-4 rows, so a step
+            # with no row to sample (a chunked prefill's first chunks) reaches the lm_head with 0
+            if p.gemv and 0 < x2.shape[0] <= INT8_MAX_ROWS:
                 y = int8_gemv.run(xq, p.qweight, p.scales)  # admitted by `fits` at load
             else:
                 y = torch.ops.aten._weight_int8pack_mm(xq, p.qweight, p.scales)

@@ -287,6 +287,49 @@ async def test_a_step_failing_outside_the_workers_reaches_every_caller(
         )
 
 
+@pytest.mark.parametrize(("kind", "ranks"), [("uni", 1), ("mp", 1), ("mp", 2)], ids=["uni1", "mp1", "mp2"])
+async def test_a_step_the_ranks_fail_fails_its_requests_and_the_engine_serves_on(
+    tiny_models: dict[str, Path], kind: ExecutorKind, ranks: int
+) -> None:
+    bad_id = "boom"
+    work = workload(4, seed=3)
+    cfg = engine_config(
+        tiny_models["llama"], kind, ranks, worker_extension="tests.extensions:FailingStepExtension"
+    )
+    async with AsyncEngine(cfg) as engine:
+        refs = await run_all(engine, work)
+        sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        streaming = asyncio.Event()
+
+        async def innocent() -> RequestOutput | BaseException:
+            try:
+                async for out in engine.generate([3, 1, 4, 1, 5], sp, request_id="innocent"):
+                    streaming.set()
+                    if out.finished:
+                        return out
+            except RequestFailedError as e:
+                return e
+            raise AssertionError("the stream ended without a finished output")
+
+        first = asyncio.ensure_future(innocent())
+        await asyncio.wait_for(streaming.wait(), 10)
+        with pytest.raises(
+            RequestFailedError, match=f"request '{bad_id}' failed: .*kernel failed on {bad_id}"
+        ):
+            await asyncio.wait_for(engine.generate([2, 7, 1, 8], sp, request_id=bad_id).__anext__(), 10)
+        # the innocent request ran in the same step: it fails with it, with the rank's own error
+        failed = await asyncio.wait_for(first, 10)
+        assert isinstance(failed, RequestFailedError) and "RuntimeError: kernel failed" in str(failed), failed
+        assert engine.is_healthy, "a rank's error fails the step's requests, not the engine"
+        assert await asyncio.wait_for(run_all(engine, work), 60) == refs, "the ranks' state stays sound"
+        stats = engine.stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"] and not engine.has_unfinished_requests()
+        errors = engine.metrics.registry.get_sample_value(
+            "asyncexec_requests_finished_total", {"finish_reason": "error"}
+        )
+        assert errors == 2
+
+
 async def test_a_request_whose_detokenizer_fails_fails_alone(
     tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

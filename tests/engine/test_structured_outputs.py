@@ -238,15 +238,27 @@ async def test_a_grammar_that_does_not_compile_fails_only_its_request(tiny_model
             (dict(regex="(ab"), "regex"),
             (dict(json={"type": "object", "properties": {"a": {"type": "nope"}}}), "json"),
             (dict(grammar="start: undefined_rule"), "grammar"),
+            (dict(regex=r"[^\s\S]"), "regex"),  # compiles, and no text matches it
+            (dict(json={"$ref": "#"}), "json"),  # a schema that is only itself
         ]
         for bad, field in cases:
             with pytest.raises(InvalidRequestError, match=f"^{field}: cannot be compiled") as e:
                 await collect(engine, [1, 2], sp(**bad))
             assert e.value.param == field
+            assert "\n" not in str(e.value) and len(str(e.value)) < 120, e.value  # no llguidance dump
         assert re.fullmatch(REGEX, (await good).text or "") and (await plain).finished
         assert engine.is_healthy
         again = await collect(engine, [3], sp(seed=2, choice=CHOICES))
     assert again.text in CHOICES
+
+
+async def test_a_choice_of_5000_strings_answers_one_of_them(tiny_models: dict[str, Path]) -> None:
+    """As alternatives of one rule, 5,000 choices overflowed llguidance's Earley row (2,000 items) after
+    the first token; as one lexeme they work, like a JSON schema's enum."""
+    choices = [f"option {i}" for i in range(5000)]  # "option 1" begins ten others
+    async with AsyncEngine(engine_config(tiny_models["llama"])) as engine:
+        outs = await asyncio.gather(*(collect(engine, [7, i], sp(seed=i, choice=choices)) for i in range(4)))
+    assert all(o.text in choices and o.finish_reason == "stop" for o in outs), outs
 
 
 async def test_a_model_folder_without_a_tokenizer_refuses_structured_outputs(

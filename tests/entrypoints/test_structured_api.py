@@ -12,9 +12,10 @@ from typing import Any
 
 import httpx
 import jsonschema
+import msgspec
 import pytest
 
-from asyncexec.entrypoints.tool_calls import ToolCalls, parse_hermes
+from asyncexec.entrypoints.tool_calls import MAX_TOOL_CALLS, ChatTool, ToolCalls, parse_hermes, tool_calls_for
 from asyncexec.outputs import RequestOutput
 from tests.entrypoints.server import ServerProcess
 from tests.entrypoints.test_server import FLAGS, data_events
@@ -91,6 +92,11 @@ def test_vllm_structured_outputs_and_the_guided_aliases_hold(client: httpx.Clien
         ({"structured_outputs": {"grammar": "start: nothing"}}, "structured_outputs", "cannot be compiled"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "both constrain"),
         ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "guided_json"),
+        ({"guided_regex": r"[^\s\S]"}, "guided_regex", "no output can satisfy it"),
+        ({"guided_json": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}, "guided_json",
+         "no output can satisfy it"),
+        ({"guided_grammar": 'start: A\nA: "a" & "b"'}, "guided_grammar", "no output can satisfy it"),
+        ({"guided_regex": "(?=a)b"}, "guided_regex", "invalid regex: look-around"),
     ],
 )  # fmt: skip
 def test_bad_constraints_answer_400_naming_the_field_and_the_server_goes_on(
@@ -100,6 +106,7 @@ def test_bad_constraints_answer_400_naming_the_field_and_the_server_goes_on(
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and needle in err["message"], err
+    assert "\n" not in err["message"] and len(err["message"]) < 160, err  # one line, no llguidance dump
     assert complete(client, max_tokens=2)  # the engine keeps serving
 
 
@@ -141,9 +148,38 @@ def test_required_calls_are_a_choice_of_the_tools(client: httpx.Client) -> None:
         names.add(call["function"]["name"])
     assert names <= {"get_weather", "ping"}
     two = chat(client, tools=TOOLS, tool_choice="required", seed=0, max_tokens=20)
-    cut = two["choices"][0]  # cut by max_tokens: no calls, the text as content, finish "length"
+    cut = two["choices"][0]  # cut by max_tokens before a call completed: the text as content
     assert cut["finish_reason"] == "length" and cut["message"]["content"].startswith("[{")
     assert "tool_calls" not in cut["message"]
+
+
+def test_required_calls_of_functions_without_parameters_stop_after_one_each(client: httpx.Client) -> None:
+    """A function without parameters is called at most once: the array ends, not `max_tokens`."""
+    now = {"type": "function", "function": {"name": "now"}}
+    for seed in range(4):
+        c = chat(client, tools=[now], tool_choice="required", seed=seed, max_tokens=300)["choices"][0]
+        assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None, c
+        (call,) = c["message"]["tool_calls"]
+        assert call["function"] == {"name": "now", "arguments": "{}"}
+    today = {"type": "function", "function": {"name": "today"}}
+    c = chat(client, tools=[now, today], tool_choice="required", temperature=0, max_tokens=300)["choices"][0]
+    assert c["finish_reason"] == "tool_calls" and 1 <= len(c["message"]["tool_calls"]) <= 2, c
+
+
+def test_required_calls_are_bounded_in_number() -> None:
+    _, mixed = tool_calls_for([msgspec.convert(t, ChatTool) for t in TOOLS], "required", None, None)
+    assert mixed is not None and mixed["maxItems"] == MAX_TOOL_CALLS
+    _, one = tool_calls_for([msgspec.convert(t, ChatTool) for t in TOOLS], "required", False, None)
+    assert one is not None and one["maxItems"] == 1
+
+
+def test_a_required_turn_cut_by_length_keeps_its_complete_calls() -> None:
+    text = '[{"name": "ping", "parameters": {"b": true}}, {"name": "get_weather", "parameters": {"n'
+    cut = RequestOutput("r", [1], [], [], text, True, "length")
+    msg, finish = ToolCalls("required").message(cut, text)
+    assert finish == "length" and msg["content"] is None
+    (call,) = msg["tool_calls"]  # the cut call is dropped
+    assert call["function"] == {"name": "ping", "arguments": '{"b": true}'}
 
 
 def test_a_streamed_named_call_arrives_as_argument_deltas(client: httpx.Client) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -114,3 +114,23 @@ async def test_int8_keeps_the_bf16_argmax_on_real_text_and_answers_paris(
     agreement = _argmax_agreement(quantized, bf16)
     assert agreement >= 0.95, f"{quantization} agrees with bf16's argmax at only {agreement:.1%} of positions"
     assert "Paris" in (answer.text or ""), answer.text
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+async def test_a_prompt_longer_than_the_token_budget_is_served_quantized(
+    smollm2_tokenizer: Any, quantization: Literal["int8", "int4"]
+) -> None:
+    # ~840 tokens over a 256-token budget: the chunked prefill's first chunks sample nothing, so the
+    # lm_head runs on 0 rows (which asyncexec's int8 kernel refused, and the failed step killed the engine)
+    ids = smollm2_tokenizer.encode(TEXT)
+    config = EngineConfig(
+        model="smollm2", executor="uni", dtype="bfloat16", quantization=quantization, max_model_len=1024,
+        max_num_batched_tokens=256, kv_cache_memory_bytes=48 << 20, enforce_eager=True,
+    )  # fmt: skip
+    async with AsyncEngine(config) as engine:
+        for prompt in (ids, ids[:100]):  # and a short one after it: the engine serves on
+            last = None
+            async for out in engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5)):
+                last = out
+            assert last is not None and last.finish_reason == "length" and len(last.token_ids) == 5, last
+        assert engine.is_healthy

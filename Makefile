@@ -34,5 +34,6 @@ bench: setup
 	$(BIN)/python scripts/bench_engine.py
 	$(BIN)/python scripts/bench_serve.py
 
+# .cache holds the benchmarks' tiny model (scripts/bench_engine.py, bench_serve.py); bench-results their JSON
 clean:
 	rm -rf $(VENV) .cache bench-results

@@ -178,6 +178,12 @@ class EngineConfig:
                 raise ConfigError(f"cudagraph_capture_sizes must be a non-empty list of sizes, got {sizes!r}")
             for s in sizes:
                 _check_int("cudagraph_capture_sizes", s, minimum=1)
+            if min(sizes) > self.max_num_seqs:  # graph mode would have no size to capture
+                raise ConfigError(
+                    f"cudagraph_capture_sizes {sorted(sizes)} are all above "
+                    f"max_num_seqs={self.max_num_seqs}: give at least one size <= max_num_seqs (sizes above "
+                    "it are never used)"
+                )
         if self.ray_placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
             raise ConfigError(f"ray_placement_strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, "
                               f"got {self.ray_placement_strategy!r}")  # fmt: skip

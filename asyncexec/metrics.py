@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from asyncexec.errors import ExecutorClosedError
+
 if TYPE_CHECKING:
     from asyncexec.scheduler import Request
 
@@ -137,7 +139,7 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         try:
             stats = self._stats()
-        except Exception:  # not started, or shut down: nothing to report
+        except ExecutorClosedError:  # not started yet: nothing to report
             return
         for key, (name, doc) in _GAUGES.items():
             yield GaugeMetricFamily(name, doc, value=stats[key])

@@ -101,9 +101,12 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens, but max_model_len={max_len} leaves no room to generate"
             )
-        if -(-(len(ids) + 1) // self.config.block_size) > self.num_blocks - 1:
+        if len(ids) > self.kv_capacity:
             raise InvalidRequestError(
-                f"prompt of {len(ids)} tokens needs more KV blocks than the cache holds"
+                f"prompt of {len(ids)} tokens needs more KV blocks than the cache holds: it holds "
+                f"{self.kv_capacity} tokens ({self.num_blocks - 1} blocks of {self.config.block_size}); "
+                "raise kv_cache_memory_bytes",
+                param="prompt",
             )
         return ids
 

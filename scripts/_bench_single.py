@@ -28,7 +28,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "bf16_eager": {"dtype": "bfloat16", "enforce_eager": True},
     "bf16_graph": {"dtype": "bfloat16"},
     "int8_graph": {"dtype": "bfloat16", "quantization": "int8"},
-    # the same with PyTorch's int8 kernel instead of asyncexec's (`worker/int8_gemv.py`)
+    # the same with PyTorch's int8 kernel instead of asyncexec's (`ops/int8_gemv.py`)
     "int8_graph_aten": {"dtype": "bfloat16", "quantization": "int8", "env": {"ASYNCEXEC_INT8_GEMV": "0"}},
     "int8_eager": {"dtype": "bfloat16", "quantization": "int8", "enforce_eager": True},
     "int4_graph": {"dtype": "bfloat16", "quantization": "int4"},

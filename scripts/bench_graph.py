@@ -137,7 +137,7 @@ async def _first(engine: Any, prompt: list[int]) -> float:
 
 async def startup(job: dict[str, Any]) -> dict[str, Any]:
     from asyncexec import AsyncEngine
-    from asyncexec.worker.cpu_graph import compile_cache_dir
+    from asyncexec.ops.build import compile_cache_dir
 
     t = time.perf_counter()
     async with AsyncEngine(_config(job)) as engine:

@@ -2,9 +2,9 @@
 the oneDNN-packed weight asyncexec uses (`mkldnn._linear_pointwise`; on a CPU where oneDNN has no bf16
 GEMM, the packed float32 copy on upcast activations that asyncexec uses there), int8 weight-only
 (per-channel scales) with PyTorch's kernel (`aten._weight_int8pack_mm`) and with asyncexec's
-(`asyncexec.worker.int8_gemv`, up to 4 rows; where it cannot build, that column is nan), and int4
+(`asyncexec.ops.int8_gemv`, up to 4 rows; where it cannot build, that column is nan), and int4
 weight-only as asyncexec quantizes it (`aten._weight_int4pack_mm_for_cpu`, a scale and a zero per 32
-inputs; `asyncexec.worker.int4`). Median ms of the whole set, per M, in one process.
+inputs; `asyncexec.quantization.int4`). Median ms of the whole set, per M, in one process.
 
 `mm W^T`: `torch.mm` on the transposed weight, float32's other layout (asyncexec keeps whichever of it
 and the packed one is faster on the CPU).
@@ -42,9 +42,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from asyncexec.model_registry import resolve_model
-    from asyncexec.worker import int8_gemv
-    from asyncexec.worker.int4 import INT4_GROUP, quantize_int4
-    from asyncexec.worker.quantization import can_pack, quantize_weight
+    from asyncexec.ops import int8_gemv
+    from asyncexec.quantization.int4 import INT4_GROUP, quantize_int4
+    from asyncexec.quantization.pack import can_pack, quantize_weight
 
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=dtype)

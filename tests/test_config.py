@@ -75,3 +75,10 @@ def test_replace_validates_again() -> None:
 def test_bad_sampling_params_name_the_field(field: str, value: object) -> None:
     with pytest.raises(InvalidRequestError, match=field):
         SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+def test_capture_sizes_all_above_max_num_seqs_are_refused() -> None:
+    # every worker died at start-up with "max() arg is an empty sequence" before
+    with pytest.raises(ConfigError, match=r"cudagraph_capture_sizes \[16, 32\] are all above max_num_seqs=8"):
+        EngineConfig(max_num_seqs=8, cudagraph_capture_sizes=(32, 16))
+    assert EngineConfig(max_num_seqs=8, cudagraph_capture_sizes=(32, 8)).capture_sizes == [8]

@@ -18,6 +18,7 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
+from asyncexec import envs
 from asyncexec.entrypoints.config_args import add_engine_args, engine_config_from_args
 from asyncexec.errors import AsyncExecError, ConfigError
 
@@ -270,7 +271,7 @@ def _serve(ns: argparse.Namespace) -> int:
         origins = [] if ns.allowed_origins is None else parse_allowed_origins(ns.allowed_origins)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    api_key = ns.api_key if ns.api_key is not None else os.environ.get("ASYNCEXEC_API_KEY") or None
+    api_key = ns.api_key if ns.api_key is not None else envs.api_key()
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key must not be empty")
     config = engine_config_from_args(ns)

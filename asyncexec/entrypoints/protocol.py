@@ -221,6 +221,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
             raise HTTPError(400, "messages must not be empty", param="messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        for name in ("max_completion_tokens", "max_tokens"):  # a chat always generates (no echo to score)
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise HTTPError(400, f"{name} must be >= 1, got {value}", param=name)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -143,7 +143,7 @@ class OpenAIServing:
         structured = structured_outputs_from(req, schema)
         tool_defs = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
         ids = await encode_chat(tok, messages, self.engine.model_info["max_model_len"], tool_defs)
-        max_tokens = req.max_completion_tokens or req.max_tokens
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.engine.max_seq_len - len(ids))  # what the KV cache holds, too
         logprobs = (req.top_logprobs or 0) if req.logprobs else None

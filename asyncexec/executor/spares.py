@@ -6,15 +6,14 @@ import os
 import subprocess
 import sys
 
-import asyncexec
-
 __all__ = ["SpareWorkers", "popen_worker"]
 
 
 def popen_worker(preload_model: str | None = None) -> subprocess.Popen[bytes]:
     """A `python -m asyncexec.worker` process, waiting on its stdin for a `WorkerSpawn`."""
     env = dict(os.environ)
-    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(asyncexec.__file__)))
+    here = os.path.abspath(__file__)  # <root>/asyncexec/executor/spares.py: <root> holds the package
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(here)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
     argv = [sys.executable, "-m", "asyncexec.worker"]
     if preload_model is not None:

@@ -37,8 +37,9 @@ import torch
 import torch._inductor.inductor_prims  # registers prims.inductor_force_stride_order
 import torch.nn.functional as F
 
-from asyncexec.worker import paged_decode
-from asyncexec.worker.paged_decode import attend_decode, decode_kernel
+from asyncexec.ops import paged_decode
+from asyncexec.ops.paged_attention import register_cpu_kernel
+from asyncexec.ops.paged_decode import attend_decode, decode_kernel
 from asyncexec.worker.prefill_attention import prefill_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "MIXED_MIN_TOKENS", "AttentionMetadata", "mixed_step", "register_attention"]
@@ -182,15 +183,7 @@ def _attention_rows_op(
     return _attend_rows(q, k_cache, v_cache, md, scaling, window or None)
 
 
-_lib = torch.library.Library("asyncexec", "FRAGMENT")  # type: ignore[no-untyped-call]
-_lib.define(  # type: ignore[no-untyped-call]
-    "paged_attention_rows(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slot_mapping, float? scaling, "
-    "int window) -> Tensor"
-)
-_lib.impl("paged_attention_rows", _attention_rows_op, "CPU")  # type: ignore[no-untyped-call]
-_lib.impl(  # type: ignore[no-untyped-call]
-    "paged_attention_rows", lambda q, k, v, slots, scaling, window: q.new_empty(q.shape), "Meta"
-)
+register_cpu_kernel(_attention_rows_op)
 
 
 def _graph_mixed(

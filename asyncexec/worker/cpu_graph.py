@@ -50,7 +50,6 @@ a 2-core AMX Xeon, smollm2 bf16: none measurable on a decode step (32 rows 29.5-
 from __future__ import annotations
 
 import logging
-import os
 import time
 import types
 import weakref
@@ -59,18 +58,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from asyncexec import envs
 from asyncexec.errors import ConfigError
-from asyncexec.worker import paged_decode
+from asyncexec.ops import paged_decode
+from asyncexec.ops.build import compile_cache_dir
+from asyncexec.ops.packed_linear import DedupeGroupLinears
+from asyncexec.ops.paged_decode import decode_width, fresh_function
 from asyncexec.worker.attention import MIXED_MIN_TOKENS, AttentionMetadata, mixed_step
 from asyncexec.worker.model_runner import NULL_BLOCK
-from asyncexec.worker.packed_linear import DedupeGroupLinears
-from asyncexec.worker.paged_decode import decode_width, fresh_function
 
 if TYPE_CHECKING:
     from asyncexec.worker.input_batch import PreparedBatch
     from asyncexec.worker.model_runner import ModelRunner
 
-__all__ = ["CPUGraphRunner", "compile_cache_dir", "decoder_layers"]
+__all__ = ["CPUGraphRunner", "decoder_layers"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,22 +87,6 @@ def _on_bytecode(code: types.CodeType, new_code: types.CodeType) -> types.CodeTy
 
 
 torch._dynamo.convert_frame.register_bytecode_hook(_on_bytecode)
-
-
-def compile_cache_dir() -> str:
-    """Inductor's cache folder: the user's `TORCHINDUCTOR_CACHE_DIR`, else under asyncexec's cache."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    from asyncexec.model_registry import model_cache_dir
-
-    configured = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if configured and os.path.abspath(configured) != os.path.abspath(default_cache_dir()):
-        return configured  # the user's (inductor sets the variable to its default on first use)
-    path = os.path.join(os.path.dirname(model_cache_dir()), "torch-compile")
-    os.makedirs(path, exist_ok=True)
-    # inductor reads (and itself sets) this variable whenever it opens its caches: it is the one knob
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
-    return path
 
 
 def decoder_layers(model: torch.nn.Module, attention_modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -191,7 +176,10 @@ class CPUGraphRunner:
             self.padded[n] = min(s for s in sizes if s >= n)
         self.capture_seconds = 0.0
         self.cache_dir = compile_cache_dir()
-        paged_decode.load()  # before compiling: the layer graph calls the C++ decode kernel if it built
+        if envs.paged_decode_enabled():  # before compiling: the layer graph calls the C++ kernel if it built
+            paged_decode.load()
+        else:
+            logger.info("ASYNCEXEC_PAGED_DECODE=0: decode attention runs the inductor-compiled kernel")
         layer_fn = fresh_function(_layer_forward)  # a graph cache of its own
         self._generated: list[types.CodeType] = []
         _generated[layer_fn.__code__] = self._generated

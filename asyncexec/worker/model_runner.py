@@ -22,11 +22,11 @@ import torch
 from asyncexec.config import EngineConfig
 from asyncexec.errors import ConfigError
 from asyncexec.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
+from asyncexec.quantization.int8 import activation_scales
+from asyncexec.quantization.pack import check_quantization, pack_linears
 from asyncexec.worker.attention import MIXED_MIN_TOKENS, AttentionMetadata, mixed_step, register_attention
 from asyncexec.worker.input_batch import InputBatch, PreparedBatch
-from asyncexec.worker.int8_scales import activation_scales
 from asyncexec.worker.prompt_logprobs import PromptLogprobsRows
-from asyncexec.worker.quantization import check_quantization, pack_linears
 from asyncexec.worker.sampler import Sampler
 
 __all__ = ["NULL_BLOCK", "ModelRunner"]

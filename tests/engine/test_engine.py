@@ -63,6 +63,26 @@ async def run_all(engine: AsyncEngine, work: list[tuple[list[int], int]]) -> lis
     return [o.token_ids for o in outs]
 
 
+async def streaming_requests(
+    engine: AsyncEngine, prompts: list[list[int]], sp: SamplingParams
+) -> list[asyncio.Task[RequestOutput]]:
+    """One task per prompt collecting its last output, returned once every request has streamed a token
+    (so a fault injected next meets them all running; a fixed sleep let a fast machine finish them first)."""
+    streaming = [asyncio.Event() for _ in prompts]
+
+    async def run(i: int) -> RequestOutput:
+        last = None
+        async for out in engine.generate(prompts[i], sp):
+            streaming[i].set()
+            last = out
+        assert last is not None
+        return last
+
+    tasks = [asyncio.ensure_future(run(i)) for i in range(len(prompts))]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), 10)
+    return tasks
+
+
 CASES: list[tuple[ExecutorKind, int, str | None]] = [
     ("uni", 1, None),
     ("mp", 1, None),
@@ -201,15 +221,14 @@ async def test_direct_steps_and_the_background_loop_are_serialized(tiny_models: 
 
 async def test_dead_worker_reaches_every_generate_caller(tiny_models: dict[str, Path]) -> None:
     async with AsyncEngine(engine_config(tiny_models["llama"], "mp", 2)) as engine:
-        long = SamplingParams(temperature=0.0, max_tokens=100_000 // 1000, ignore_eos=True)
+        long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
         infos = await engine.collective_rpc("get_model_info")
         assert infos == [engine.model_info] * 2, "both ranks serve the same model"
         assert isinstance(engine.executor, MultiProcExecutor)
         pids = engine.executor.worker_pids
         children = {p.pid for p in psutil.Process().children()}
         assert len(set(pids)) == 2 and set(pids) <= children, "two worker processes of ours, by rank"
-        tasks = [asyncio.ensure_future(collect(engine, list(range(i + 5)), long)) for i in range(4)]
-        await asyncio.sleep(0.3)
+        tasks = await streaming_requests(engine, [list(range(i + 5)) for i in range(4)], long)
         victim = pids[1]
         start = time.monotonic()
         os.kill(victim, signal.SIGKILL)
@@ -252,19 +271,7 @@ async def test_a_step_failing_outside_the_workers_reaches_every_caller(
 ) -> None:
     async with AsyncEngine(engine_config(tiny_models["llama"])) as engine:
         long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-        streaming = [asyncio.Event() for _ in range(4)]
-
-        async def run(i: int) -> RequestOutput:
-            last = None
-            async for out in engine.generate(list(range(i + 3)), long):
-                streaming[i].set()
-                last = out
-            assert last is not None
-            return last
-
-        tasks = [asyncio.ensure_future(run(i)) for i in range(4)]
-        # every request streaming (a fixed sleep let a fast machine finish them all before the fault)
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), 10)
+        tasks = await streaming_requests(engine, [list(range(i + 3)) for i in range(4)], long)
 
         def broken(*args: object) -> None:
             raise RuntimeError(f"{method} broke")

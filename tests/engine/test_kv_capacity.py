@@ -36,6 +36,11 @@ async def test_a_request_the_cache_cannot_hold_is_refused_and_the_rest_are_serve
         with pytest.raises(InvalidRequestError, match=f"needs {len(prompt) + holds - 1} tokens of KV cache, "
                            f"but the cache holds {holds} "):  # fmt: skip
             engine.add_request(prompt, too_many)
+        huge = list(range(1, holds + 2))
+        refusal = f"prompt of {holds + 1} tokens needs more KV blocks than the cache holds: it holds {holds} "
+        with pytest.raises(InvalidRequestError, match=refusal) as info:
+            engine.add_request(huge, SamplingParams(max_tokens=1))
+        assert info.value.param == "prompt"
         most = holds + 1 - len(prompt)
         full = SamplingParams(temperature=0.0, max_tokens=most, ignore_eos=True)
         short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)

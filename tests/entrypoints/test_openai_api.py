@@ -291,6 +291,14 @@ def test_echo_with_logprobs_and_max_tokens_0_scores_the_prompt(client: httpx.Cli
     assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 0}).status_code == 400
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_chat_asking_for_0_tokens_is_a_400_naming_the_field(client: httpx.Client, field: str) -> None:
+    # max_completion_tokens: 0 once fell through to max_tokens and generated to max_model_len
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, field: 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert r.json()["error"]["message"] == f"{field} must be >= 1, got 0"
+
+
 def tok_ids(client: httpx.Client) -> list[int]:
     return list(client.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"][1:])
 

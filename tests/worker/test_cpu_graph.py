@@ -13,9 +13,10 @@ import torch
 import torch._dynamo.utils
 
 from asyncexec import EngineConfig, Executor, SamplingParams
-from asyncexec.worker import paged_decode
+from asyncexec.ops import paged_decode
+from asyncexec.ops.paged_decode import attend_decode
 from asyncexec.worker.attention import _decode
-from asyncexec.worker.paged_decode import attend_decode
+from tests.worker.conftest import unload_kernel
 from tests.worker.driver import Driver, Req
 
 BLOCK = 4
@@ -125,9 +126,8 @@ def test_a_decode_kernel_that_fails_to_build_leaves_the_inductor_one_with_a_warn
 ) -> None:
     broken = tmp_path / "paged_decode.cpp"
     broken.write_text("this is not C++;\n")
-    for name, value in (("_SOURCE", broken), ("_tried", False), ("_ready", False), ("_fn", None)):
-        monkeypatch.setattr(paged_decode, name, value)
-    with caplog.at_level(logging.WARNING, logger="asyncexec.worker.paged_decode"):
+    unload_kernel(paged_decode, monkeypatch, broken)
+    with caplog.at_level(logging.WARNING, logger="asyncexec.ops.paged_decode"):
         assert not paged_decode.load()
     assert "could not build asyncexec's paged decode attention kernel" in caplog.text
     q, k_cache, v_cache, tables, lens = _paged([3, 9], 6, 2, 16, torch.float32)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncexec.worker.int4 import INT4_GROUP, dequantize_int4
-from asyncexec.worker.packed_linear import _REGISTRY
-from asyncexec.worker.quantization import INT8_MAX_ROWS, pack_linears, quantize_weight
+from asyncexec.ops.packed_linear import REGISTRY
+from asyncexec.quantization.int4 import INT4_GROUP, dequantize_int4
+from asyncexec.quantization.pack import INT8_MAX_ROWS, pack_linears, quantize_weight
 
 
 def _q4_1_weight(n: int, k: int) -> torch.Tensor:
@@ -56,7 +56,7 @@ def test_int4_keeps_the_lm_head_in_int8(tiny_models: dict[str, Path]) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.bfloat16)
     stats = pack_linears(model, "int4")
     assert stats["int4"] == stats["linears"] - 1
-    head = _REGISTRY[model.lm_head.weight.data_ptr()]
+    head = REGISTRY[model.lm_head.weight.data_ptr()]
     assert head.q4 is None and head.qweight is not None
-    q_proj = _REGISTRY[model.model.layers[0].self_attn.q_proj.weight.data_ptr()]
+    q_proj = REGISTRY[model.model.layers[0].self_attn.q_proj.weight.data_ptr()]
     assert q_proj.group is not None and q_proj.group.packed.q4 is not None

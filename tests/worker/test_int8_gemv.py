@@ -1,4 +1,4 @@
-"""asyncexec's int8 GEMV kernel (`worker/int8_gemv.cpp`): the same numbers as PyTorch's int8 kernel, taken
+"""asyncexec's int8 GEMV kernel (`ops/csrc/int8_gemv.cpp`): the same numbers as PyTorch's int8 kernel, taken
 by int8 steps of 1-4 rows, and a clear fallback where it cannot be built."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncexec.worker import int8_gemv
-from asyncexec.worker.quantization import INT8_MAX_ROWS, pack_linears
+from asyncexec.ops import int8_gemv
+from asyncexec.quantization.pack import INT8_MAX_ROWS, pack_linears
+from tests.worker.conftest import unload_kernel
 
 
 @pytest.fixture
 def fresh_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel's module state as if no engine had loaded it yet (monkeypatch restores it)."""
-    for name, value in (("_tried", False), ("_fn", None), ("_width", 0)):
-        monkeypatch.setattr(int8_gemv, name, value)
+    unload_kernel(int8_gemv, monkeypatch)
 
 
 def _operands(rows: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,10 +77,10 @@ def test_without_the_kernel_int8_uses_pytorchs_with_the_same_result(
     outs = []
     for env in ("1", "0"):
         monkeypatch.setenv("ASYNCEXEC_INT8_GEMV", env)
-        monkeypatch.setattr(int8_gemv, "_tried", False)
+        unload_kernel(int8_gemv, monkeypatch)
         torch.manual_seed(0)
         lin = torch.nn.Linear(64, 48).bfloat16()
-        with caplog.at_level(logging.INFO, logger="asyncexec.worker.int8_gemv"):
+        with caplog.at_level(logging.INFO, logger="asyncexec.quantization.pack"):
             pack_linears(torch.nn.Sequential(lin), "int8")
         with torch.inference_mode():
             outs.append(lin(x).float())
@@ -93,8 +93,8 @@ def test_a_kernel_that_fails_to_build_leaves_pytorchs_with_a_warning(
 ) -> None:
     broken = tmp_path / "int8_gemv.cpp"
     broken.write_text("this is not C++;\n")
-    monkeypatch.setattr(int8_gemv, "_SOURCE", broken)
-    with caplog.at_level(logging.WARNING, logger="asyncexec.worker.int8_gemv"):
+    unload_kernel(int8_gemv, monkeypatch, broken)
+    with caplog.at_level(logging.WARNING, logger="asyncexec.ops.int8_gemv"):
         assert not int8_gemv.load()
     assert "could not build asyncexec's int8 GEMV kernel" in caplog.text
     assert "_weight_int8pack_mm" in caplog.text

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncexec.worker.int8_scales import activation_scales, search_scales
-from asyncexec.worker.quantization import INT8_MAX_ROWS, pack_linears
+from asyncexec.quantization.int8 import activation_scales, search_scales
+from asyncexec.quantization.pack import INT8_MAX_ROWS, pack_linears
 
 
 def _outlier_rows(rows: int, k: int, seed: int) -> torch.Tensor:

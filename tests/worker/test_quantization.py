@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from asyncexec import AsyncEngine, ConfigError, EngineConfig, SamplingParams, WorkerStartupError
-from asyncexec.worker import quantization
-from asyncexec.worker.int4 import dequantize_int4
-from asyncexec.worker.packed_linear import _REGISTRY
-from asyncexec.worker.quantization import INT8_MAX_ROWS, can_pack, pack_linears, quantize_weight
+from asyncexec.ops.packed_linear import REGISTRY
+from asyncexec.quantization import pack as quantization
+from asyncexec.quantization.int4 import dequantize_int4
+from asyncexec.quantization.pack import INT8_MAX_ROWS, can_pack, pack_linears, quantize_weight
 
 
 def _linear(n: int, k: int, dtype: torch.dtype, bias: bool = True) -> torch.nn.Linear:
@@ -98,7 +98,7 @@ class _Block(torch.nn.Module):
 def test_sibling_projections_run_as_one_gemm_and_equal_the_separate_ones(
     quantization: str | None, bias: bool
 ) -> None:
-    from asyncexec.worker import packed_linear as q
+    from asyncexec.ops import packed_linear as q
 
     block = _Block(torch.bfloat16, bias)
     x = torch.randn(1, 7, 64).to(torch.bfloat16)
@@ -202,7 +202,7 @@ def test_where_onednn_cannot_pack_linears_stay_and_int8_serves_every_size(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A CPU without bf16 support in oneDNN (no AVX-512): no packing, and int8 needs none."""
-    monkeypatch.setattr("asyncexec.worker.quantization.can_pack", lambda dtype: False)
+    monkeypatch.setattr("asyncexec.quantization.pack.can_pack", lambda dtype: False)
     plain = _linear(48, 64, torch.bfloat16)
     assert pack_linears(torch.nn.Sequential(plain), None)["linears"] == 0
     assert isinstance(plain.weight, torch.nn.Parameter)  # untouched
@@ -221,7 +221,7 @@ def test_without_onednn_bf16_bigger_steps_multiply_in_float32(
 ) -> None:
     """An AVX2 CPU: oneDNN packs float32 only. Steps of few rows keep the compact weights (bf16 or int8);
     bigger ones run a packed float32 copy (bf16's own matmul there grows slow with the rows)."""
-    from asyncexec.worker import quantization as qmod
+    from asyncexec.quantization import pack as qmod
 
     monkeypatch.setattr(qmod, "can_pack", lambda dtype: dtype == torch.float32)
     lin = _linear(48, 64, torch.bfloat16)
@@ -232,7 +232,7 @@ def test_without_onednn_bf16_bigger_steps_multiply_in_float32(
     b = lin.bias.detach().clone()
     stats = pack_linears(torch.nn.Sequential(lin), quantization)
     assert stats["linears"] == 1
-    packed = _REGISTRY[lin.weight.data_ptr()]
+    packed = REGISTRY[lin.weight.data_ptr()]
     assert packed.dense is not None and packed.dense.dtype == torch.float32
     gen = torch.Generator().manual_seed(3)
     with torch.inference_mode():

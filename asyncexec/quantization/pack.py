@@ -8,7 +8,7 @@ compiled decoder layers see as one opaque call and eager forwards call directly:
   freezing cannot apply; the op reads the packed weight from a registry instead.
 - **int8** (`EngineConfig(quantization="int8")`): every linear, lm_head included, is quantized at load,
   in each worker after tensor-parallel sharding: symmetric, one scale per output channel, with
-  activation-aware input-channel scales (`int8_scales`: the input is divided by them). Steps of at most
+  activation-aware input-channel scales (`quantization.int8`: the input is divided by them). Steps of at most
   `INT8_MAX_ROWS` rows (a lone stream, a few streams) run asyncexec's int8 GEMV (`int8_gemv`; PyTorch's
   `aten._weight_int8pack_mm` where it cannot be built), which reads half the bytes of bf16. Those
   kernels are slower than the packed bf16 GEMM from 8 rows up (2x at 32 rows, measured), so bigger
@@ -46,19 +46,20 @@ from collections.abc import Mapping
 
 import torch
 
+from asyncexec import envs
 from asyncexec.config import QUANTIZATIONS
 from asyncexec.errors import ConfigError
-from asyncexec.worker import int8_gemv
-from asyncexec.worker.int4 import int4_fits, quantize_int4
-from asyncexec.worker.int8_scales import dequantize, quantize_weight
-from asyncexec.worker.packed_linear import (
-    _REGISTRY,
+from asyncexec.ops import int8_gemv
+from asyncexec.ops.packed_linear import (
     INT8_MAX_ROWS,
-    _Group,
-    _group_forward,
-    _install,
-    _Packed,
+    REGISTRY,
+    LinearGroup,
+    PackedWeight,
+    group_forward,
+    linear_forward,
 )
+from asyncexec.quantization.int4 import int4_fits, quantize_int4
+from asyncexec.quantization.int8 import dequantize, quantize_weight
 
 __all__ = [
     "INT8_MAX_ROWS",
@@ -136,14 +137,14 @@ def _pack(
     s: torch.Tensor | None = None,
     lm_head: bool = False,
     plain: bool = False,
-) -> _Packed:
-    packed = _Packed()
+) -> PackedWeight:
+    packed = PackedWeight()
     if quantization == "int4" and not lm_head and int4_fits(w):
         packed.q4, packed.sz, dequantized = quantize_int4(w)
         w = dequantized.to(w.dtype)  # what int4 rows compute with
     elif quantization is not None:  # int8, and int4's lm_head and linears of odd widths
         packed.qweight, packed.scales = quantize_weight(w, s)
-        packed.gemv = int8_gemv.fits(packed.qweight, packed.scales)
+        packed.gemv = envs.int8_gemv_enabled() and int8_gemv.fits(packed.qweight, packed.scales)
         if s is not None:
             packed.inv_s = (1.0 / s).to(w.dtype)
         w = dequantize(packed.qweight, packed.scales, s).to(w.dtype)  # what int8 rows compute with
@@ -183,13 +184,13 @@ def plain_float32_is_faster(weight: torch.Tensor, reps: int = 9) -> tuple[bool, 
     return faster, ", ".join(said)
 
 
-def _replace(mod: torch.nn.Linear, packed: _Packed) -> None:
+def _replace(mod: torch.nn.Linear, packed: PackedWeight) -> None:
     """The weight becomes the stand-in keying `packed`; the module's forward goes through the op."""
     w = mod.weight.detach()
     stand_in = _stand_in(w.to_local() if hasattr(w, "to_local") else w)
     key = stand_in.data_ptr()
-    _REGISTRY[key] = packed
-    weakref.finalize(stand_in, _REGISTRY.pop, key, None)
+    REGISTRY[key] = packed
+    weakref.finalize(stand_in, REGISTRY.pop, key, None)
     del mod.weight  # a tied lm_head only drops its reference: the embedding keeps the tensor
     mod.register_buffer("weight", stand_in, persistent=False)
     _install(mod)
@@ -203,8 +204,10 @@ def pack_linears(
     input_scales: Mapping[torch.nn.Linear, torch.Tensor] | None = None,
 ) -> dict[str, int]:
     """Route every `nn.Linear` of `model` through `asyncexec::packed_linear`; returns what it did.
-    `input_scales`: int8's activation-aware scales per linear (`int8_scales.activation_scales`)."""
+    `input_scales`: int8's activation-aware scales per linear (`quantization.int8.activation_scales`)."""
     act = input_scales or {}
+    if quantization is not None and not envs.int8_gemv_enabled():
+        logger.info("ASYNCEXEC_INT8_GEMV=0: int8 steps use PyTorch's _weight_int8pack_mm")
     stats = {"linears": 0, "groups": 0, "int4": 0, "bytes_before": 0, "bytes_after": 0}
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
@@ -229,7 +232,7 @@ def pack_linears(
                         "plain" if plain else "oneDNN-packed", said, *widest.shape)  # fmt: skip
     stats["plain"] = int(plain)
 
-    def count(w: torch.Tensor, p: _Packed, share: float = 1.0) -> None:
+    def count(w: torch.Tensor, p: PackedWeight, share: float = 1.0) -> None:
         """`share`: a group member's part of the group's weights."""
         stats["bytes_before"] += w.numel() * w.element_size()
         tensors = (p.dense, p.small, p.qweight, p.scales, p.inv_s, p.q4, p.sz)
@@ -248,16 +251,16 @@ def pack_linears(
         if members[0].bias is not None:
             group_packed.bias = torch.cat([m.bias.detach() for m in members if m.bias is not None])
         starts = [sum(w.shape[0] for w in ws[:i]) for i in range(len(ws))]
-        group = _Group(group_packed, frozenset(starts))
+        group = LinearGroup(group_packed, frozenset(starts))
         key = torch.zeros(1, dtype=ws[0].dtype)  # the group's one input to the compiled layer graph
-        _REGISTRY[key.data_ptr()] = _Packed(group=group)
-        weakref.finalize(key, _REGISTRY.pop, key.data_ptr(), None)
+        REGISTRY[key.data_ptr()] = PackedWeight(group=group)
+        weakref.finalize(key, REGISTRY.pop, key.data_ptr(), None)
         for mod, w, start in zip(members, ws, starts, strict=True):
-            _replace(mod, _Packed(group=group, start=start))
+            _replace(mod, PackedWeight(group=group, start=start))
             mod.register_buffer("group_key", key, persistent=False)
             setattr(mod, "group_width", sum(w.shape[0] for w in ws))  # noqa: B010
             setattr(mod, "group_start", start)  # noqa: B010
-            mod.forward = types.MethodType(_group_forward, mod)  # type: ignore[method-assign]
+            mod.forward = types.MethodType(group_forward, mod)  # type: ignore[method-assign]
             count(w, group_packed, w.shape[0] / sum(v.shape[0] for v in ws))
         stats["linears"] += len(members)
         stats["groups"] += 1
@@ -282,3 +285,21 @@ def pack_linears(
                 "-> %.1f MiB", stats["linears"], stats["groups"], quantization, stats["bytes_before"] / 2**20,
                 stats["bytes_after"] / 2**20)  # fmt: skip
     return stats
+
+
+def _install(mod: torch.nn.Linear) -> None:
+    """Make the op's `linear_forward` the linear's forward. Under transformers' tensor parallelism the
+    module's forward is a wrapper that makes inputs local, hides a rowwise bias and all-reduces the output
+    around the forward it captured at load: that captured forward is replaced, so the wrapper stays."""
+    ours = types.MethodType(linear_forward, mod)
+    tp_forward = mod.__dict__.get("forward")
+    if tp_forward is None:
+        mod.forward = ours  # type: ignore[method-assign]
+        return
+    cells = dict(zip(tp_forward.__code__.co_freevars, tp_forward.__closure__ or (), strict=True))
+    if "original_forward" not in cells:
+        raise ConfigError(
+            f"cannot pack {type(mod).__name__}: its forward is wrapped by {tp_forward.__qualname__}, which "
+            "asyncexec does not know; use enforce_eager=True and no quantization"
+        )
+    cells["original_forward"].cell_contents = ours

@@ -1,4 +1,4 @@
-// int8 weight-only GEMV for steps of 1-4 rows (asyncexec/worker/int8_gemv.py builds and calls it).
+// int8 weight-only GEMV for steps of 1-4 rows (asyncexec/ops/int8_gemv.py builds and calls it).
 //
 //   y[m, n] = scale[n] * sum_k x[m, k] * w[n, k]     x, y, scale: bf16; w: int8 [N, K]; fp32 accumulation
 //

@@ -7,15 +7,15 @@ a gather-by-block-table, a multiply-reduce, a masked softmax and a second multip
 inductor fuses into loops that index the cache in place: about 1.3 ms for the same layer. It is
 compiled with dynamic batch and table width, so no batch composition recompiles it (`attend_decode`).
 
-Faster still is asyncexec's own C++ kernel (`paged_decode.cpp`, built at start-up by `cpp_build`; each
+Faster still is asyncexec's own C++ kernel (`csrc/paged_decode.cpp`, built at start-up by `ops.build`; each
 (row, KV head) a task, its query heads reading each key and value once, vectorized over the head size):
 on a 2-core AMX Xeon, SmolLM2 in bfloat16, per layer with the cache in CPU caches: 1 row 19 us against
 the inductor loop's 91-98 us; 32 rows of 16-384 tokens 224-251 us against 1,062-1,156 us (`run_kernel`,
 the op `asyncexec::paged_decode`). With the cache in memory, as in a real step, keys and values are
 prefetched a few positions ahead: 32 rows 381-430 us a layer, 561-640 us without. It serves float32
 and bfloat16 caches with up to 8 query heads per KV head and a head size of 1, 2, 4, 8 or 16 vectors;
-anything else, or a machine where it cannot build (a warning says why), or `ASYNCEXEC_PAGED_DECODE=0`,
-runs `decode_kernel`.
+anything else, or a machine where it cannot build (a warning says why), or `ASYNCEXEC_PAGED_DECODE=0`
+(`asyncexec.envs`: the graph runner then does not load it), runs `decode_kernel`.
 
 In a compiled decode step (`cpu_graph.py`), `attention._graph_decode` traces the KV write into the
 decoder layer's graph (the caches are module buffers, mutated in place) and then calls the op, or traces
@@ -33,57 +33,46 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import threading
 import types
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from asyncexec.worker import cpp_build
+from asyncexec.ops.build import CSRC, CppKernel
 
 __all__ = ["attend_decode", "decode_kernel", "decode_width", "load", "run_kernel", "serves"]
 
 logger = logging.getLogger(__name__)
 
 _compiled: dict[tuple[object, ...], Callable[..., torch.Tensor]] = {}
-_SOURCE = Path(__file__).with_name("paged_decode.cpp")
+_KERNEL = CppKernel(
+    CSRC / "paged_decode.cpp",
+    "paged decode attention kernel",
+    "decode attention runs the inductor-compiled one",
+    logger,
+)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _MAX_GROUP = 8  # query heads per KV head (kMaxG)
 _VECTORS = (1, 2, 4, 8, 16)  # head sizes the kernel serves, in vectors of `_width` floats
 _fn: Any = None
 _ready = False  # _fn is loaded (a plain bool, for dynamo to read while it traces `serves`)
 _width = 0
-_tried = False
-_lock = threading.Lock()
 
 
 def load() -> bool:
     """Build (or load from the disk cache) the C++ kernel, once per process; False where unavailable."""
-    global _fn, _width, _tried, _ready
-    with _lock:
-        if _tried:
-            return _fn is not None
-        _tried = True
-        if os.environ.get("ASYNCEXEC_PAGED_DECODE", "1") == "0":
-            logger.info("ASYNCEXEC_PAGED_DECODE=0: decode attention runs the inductor-compiled kernel")
-            return False
-        lib = cpp_build.build(
-            _SOURCE,
-            "paged decode attention kernel",
-            "decode attention runs the inductor-compiled one",
-            logger,
-        )
-        if lib is None:
-            return False
-        fn = lib.asyncexec_paged_decode
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_double] + [ctypes.c_int64] * 2
-        _fn, _width, _ready = fn, int(lib.asyncexec_paged_decode_width()), True
-        logger.info("paged decode attention kernel ready (%d-float vectors)", _width)
-        return True
+    return _KERNEL.load(_setup) is not None
+
+
+def _setup(lib: Any) -> Any:
+    global _fn, _width, _ready
+    fn = lib.asyncexec_paged_decode
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_double] + [ctypes.c_int64] * 2
+    _fn, _width, _ready = fn, int(lib.asyncexec_paged_decode_width()), True
+    logger.info("paged decode attention kernel ready (%d-float vectors)", _width)
+    return fn
 
 
 def serves(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -125,7 +125,7 @@ def quantize_weight(
     weight: torch.Tensor, input_scales: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel symmetric int8: (q [N, K] int8, scales [N] in the weight's dtype). With
-    `input_scales` (float32 [K], `int8_scales`), it quantizes `weight * input_scales`: the activation is
+    `input_scales` (float32 [K], `activation_scales`), it quantizes `weight * input_scales`: the activation is
     then divided by them before the int8 matmul.
 
     The weights are rounded against the scales as the kernel stores them (in the weight's dtype): rounding

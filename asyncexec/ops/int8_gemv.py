@@ -1,4 +1,4 @@
-"""int8 weight-only GEMV for steps of 1-4 rows: asyncexec's own C++ kernel (`int8_gemv.cpp`).
+"""int8 weight-only GEMV for steps of 1-4 rows: asyncexec's own C++ kernel (`csrc/int8_gemv.cpp`).
 
 Why not only PyTorch's `aten._weight_int8pack_mm`: on a lone stream every weight is read once a step, so
 the int8 GEMM should cost half of bf16's. PyTorch's kernel multiplies every weight by its scale inside
@@ -7,66 +7,54 @@ layer GEMMs and lm_head at one row, weights from memory: 5.5-6.1 ms with it agai
 this kernel (`scripts/probe_linear.py` measures both). Same numbers either way, up to float32 rounding
 of the sums: products are exact, sums in float32, the scale applied once per output.
 
-Built once per machine at first use (start-up of an int8 or int4 engine), by `cpp_build.build`
-(inductor's C++ compiler driver, cached on disk). Where it cannot build (no compiler, no AVX2), int8
-steps use PyTorch's kernel, with a warning that says why; `ASYNCEXEC_INT8_GEMV=0` chooses PyTorch's
-kernel (to compare). Called through ctypes, which releases the GIL while it runs.
+Built once per machine at first use (start-up of an int8 or int4 engine), by `ops.build` (inductor's
+C++ compiler driver, cached on disk). Where it cannot build (no compiler, no AVX2), int8 steps use
+PyTorch's kernel, with a warning that says why; the load-time transform skips it where
+`ASYNCEXEC_INT8_GEMV=0` (`asyncexec.envs`, to compare). Called through ctypes, which releases the GIL
+while it runs.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import threading
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from asyncexec.worker import cpp_build
+from asyncexec.ops.build import CSRC, CppKernel
 
 __all__ = ["fits", "int8_gemv", "load", "run"]
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("int8_gemv.cpp")
+_KERNEL = CppKernel(
+    CSRC / "int8_gemv.cpp",
+    "int8 GEMV kernel",
+    "int8 steps of up to 4 rows use PyTorch's _weight_int8pack_mm, which is slower",
+    logger,
+)
 _fn: Any = None  # the loaded kernel (a ctypes function)
 _width = 0  # its vector width in floats: K must be a multiple
-_tried = False
-_lock = threading.Lock()
 
 
 def load() -> bool:
     """Build (or load from the disk cache) the kernel, once per process; False where it is unavailable."""
-    with _lock:  # engines loading in several threads at once: one build, and all see its outcome
-        return _load()
+    return _KERNEL.load(_setup) is not None
 
 
-def _load() -> bool:
-    global _fn, _width, _tried
-    if _tried:
-        return _fn is not None
-    _tried = True
-    if os.environ.get("ASYNCEXEC_INT8_GEMV", "1") == "0":
-        logger.info("ASYNCEXEC_INT8_GEMV=0: int8 steps use PyTorch's _weight_int8pack_mm")
-        return False
-    start = time.perf_counter()
-    fallback = "int8 steps of up to 4 rows use PyTorch's _weight_int8pack_mm, which is slower"
-    lib = cpp_build.build(_SOURCE, "int8 GEMV kernel", fallback, logger)
-    if lib is None:
-        return False
+def _setup(lib: Any) -> Any:
+    global _fn, _width
     width = int(lib.asyncexec_int8_gemv_width())
     if width == 0:
         logger.warning("asyncexec's int8 GEMV kernel needs AVX2 or AVX-512; int8 steps use PyTorch's kernel")
-        return False
+        return None
     fn = lib.asyncexec_int8_gemv
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
     _fn, _width = fn, width
-    logger.info("int8 GEMV kernel ready (%d-float vectors) in %.1f s", width, time.perf_counter() - start)
-    return True
+    logger.info("int8 GEMV kernel ready (%d-float vectors)", width)
+    return fn
 
 
 def fits(qweight: torch.Tensor, scales: torch.Tensor) -> bool:

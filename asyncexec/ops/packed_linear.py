@@ -1,7 +1,8 @@
 """The op every packed linear runs: `asyncexec::packed_linear(x, weight, bias)` and its group form.
 
-The module's `weight` is a stand-in whose data pointer keys `_REGISTRY`, which holds what `quantization.py`
-packed for it (`_Packed`): a oneDNN-packed dense weight, int8 or int4 weights, or its group's share. The
+The module's `weight` is a stand-in whose data pointer keys `REGISTRY`, which holds what
+`asyncexec.quantization.pack` packed for it (`PackedWeight`): a oneDNN-packed dense weight, int8 or int4
+weights, or its group's share. The
 compiled decoder layers see one opaque call per linear (a group's identical calls merged by
 `DedupeGroupLinears`); eager forwards call `_linear` directly, without the dispatcher. `_matmul` picks
 the kernel by the step's rows: up to `INT8_MAX_ROWS` the quantized kernels, above the dense copy.
@@ -9,26 +10,33 @@ the kernel by the step's rows: up to `INT8_MAX_ROWS` the quantized kernels, abov
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from asyncexec.errors import ConfigError
-from asyncexec.worker import int8_gemv
-from asyncexec.worker.int4 import INT4_GROUP
+from asyncexec.ops import int8_gemv
 
-__all__ = ["INT8_MAX_ROWS", "DedupeGroupLinears"]
+__all__ = [
+    "INT4_GROUP",
+    "INT8_MAX_ROWS",
+    "REGISTRY",
+    "DedupeGroupLinears",
+    "LinearGroup",
+    "PackedWeight",
+    "group_forward",
+    "linear_forward",
+]
 
 INT8_MAX_ROWS = 4
+INT4_GROUP = 32  # inputs per scale and zero of PyTorch's int4 kernel (Q4_1's block)
 
 
 @dataclass
-class _Packed:
+class PackedWeight:
     dense: torch.Tensor | None = None  # oneDNN-packed, in dtype or float32 (None: int8 serves every size)
-    plain: bool = False  # dense is the weight transposed, [K, N], for torch.mm (see quantization.py)
+    plain: bool = False  # dense is the weight transposed, [K, N], for torch.mm (see quantization/pack.py)
     small: torch.Tensor | None = None  # upcast mode: the weight in dtype, for steps of few rows
     qweight: torch.Tensor | None = None  # int8 [N, K]
     scales: torch.Tensor | None = None  # [N], in dtype
@@ -37,16 +45,16 @@ class _Packed:
     q4: torch.Tensor | None = None  # int4: the kernel's packed weight
     sz: torch.Tensor | None = None  # int4: scales and zeros [K / INT4_GROUP, N, 2], in dtype
     bias: torch.Tensor | None = None  # a group's concatenated bias (a lone linear's comes with the call)
-    group: _Group | None = None  # set on a member of a group: its columns of the group's output start
+    group: LinearGroup | None = None  # set on a member of a group: its columns of the group's output start
     start: int = 0  # at `start` (and are as many as its stand-in weight's rows)
 
 
 @dataclass
-class _Group:
+class LinearGroup:
     """Projections that read the same input (q/k/v, gate/up), packed as one weight: the first member
     called on an input runs the one GEMM, the others take their columns of it."""
 
-    packed: _Packed
+    packed: PackedWeight
     members: frozenset[int]  # each member's first column
     x: torch.Tensor | None = None  # the input the pending output was computed from (held: the object
     # cannot be replaced by another at its address; inference tensors have no version counter to check)
@@ -67,13 +75,13 @@ class _Group:
         return out
 
 
-_REGISTRY: dict[int, _Packed] = {}
+REGISTRY: dict[int, PackedWeight] = {}
 
 _lib = torch.library.Library("asyncexec", "FRAGMENT")  # type: ignore[no-untyped-call]
 _lib.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")  # type: ignore[no-untyped-call]
 
 
-def _matmul(x: torch.Tensor, p: _Packed, bias: torch.Tensor | None) -> torch.Tensor:
+def _matmul(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     y: torch.Tensor
     if p.dense is None or x2.shape[0] <= INT8_MAX_ROWS:
@@ -102,7 +110,7 @@ def _matmul(x: torch.Tensor, p: _Packed, bias: torch.Tensor | None) -> torch.Ten
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    p = _REGISTRY[weight.data_ptr()]
+    p = REGISTRY[weight.data_ptr()]
     # a group member (eager): its columns of the group's one GEMM, a view
     n = weight.shape[0]
     y = _matmul(x, p, bias) if p.group is None else p.group.output(x, p.start)[:, p.start : p.start + n]
@@ -111,7 +119,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 def _packed_linear_group(x: torch.Tensor, key: torch.Tensor, width: int) -> torch.Tensor:
-    group = _REGISTRY[key.data_ptr()].group
+    group = REGISTRY[key.data_ptr()].group
     assert group is not None
     y = _matmul(x, group.packed, group.packed.bias)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], width)
@@ -134,17 +142,17 @@ _lib.impl(  # type: ignore[no-untyped-call]
 
 _OP = torch.ops.asyncexec.packed_linear.default
 # inductor caches graphs by this pass: what it merges depends on how both files build the ops
-_SOURCE_HASH = get_hash_for_files((__file__, str(Path(__file__).with_name("quantization.py"))))
+_SOURCE_HASH = get_hash_for_files((__file__, str(Path(__file__).parents[1] / "quantization" / "pack.py")))
 _GROUP_OP = torch.ops.asyncexec.packed_linear_group.default
 
 
-def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():  # one opaque op in the layer graph
         return _OP(x, self.weight, self.bias)  # type: ignore[no-any-return]
     return _linear(x, self.weight, self.bias)  # eager: no dispatcher
 
 
-def _group_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def group_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
         start: int = self.group_start  # type: ignore[assignment]
         y = _GROUP_OP(x, self.group_key, self.group_width)
@@ -168,21 +176,3 @@ class DedupeGroupLinears(CustomGraphPass):
 
     def uuid(self) -> bytes:  # inductor's cache key: this file's contents
         return _SOURCE_HASH
-
-
-def _install(mod: torch.nn.Linear) -> None:
-    """Make `_forward` the linear's forward. Under transformers' tensor parallelism the module's forward
-    is a wrapper that makes inputs local, hides a rowwise bias and all-reduces the output around the
-    forward it captured at load: that captured forward is replaced, so the wrapper stays."""
-    ours = types.MethodType(_forward, mod)
-    tp_forward = mod.__dict__.get("forward")
-    if tp_forward is None:
-        mod.forward = ours  # type: ignore[method-assign]
-        return
-    cells = dict(zip(tp_forward.__code__.co_freevars, tp_forward.__closure__ or (), strict=True))
-    if "original_forward" not in cells:
-        raise ConfigError(
-            f"cannot pack {type(mod).__name__}: its forward is wrapped by {tp_forward.__qualname__}, which "
-            "asyncexec does not know; use enforce_eager=True and no quantization"
-        )
-    cells["original_forward"].cell_contents = ours

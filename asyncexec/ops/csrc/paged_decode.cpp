@@ -1,4 +1,4 @@
-// Paged decode attention on CPU (asyncexec/worker/paged_decode.py builds and calls it).
+// Paged decode attention on CPU (asyncexec/ops/paged_decode.py builds and calls it).
 //
 //   out[b, h] = softmax(scale * q[b, h] . K[b, t]) . V[b, t]   over the positions t of row b's blocks
 //

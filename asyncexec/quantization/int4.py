@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["INT4_GROUP", "dequantize_int4", "int4_fits", "quantize_int4"]
+from asyncexec.ops.packed_linear import INT4_GROUP
 
-INT4_GROUP = 32
+__all__ = ["INT4_GROUP", "dequantize_int4", "int4_fits", "quantize_int4"]
 
 
 def int4_fits(weight: torch.Tensor) -> bool:

@@ -71,13 +71,12 @@ def breakdown(job: dict[str, Any]) -> dict[str, Any]:
     if not job["eager"]:
         import torch._inductor.config
 
-        from asyncexec.worker.cpu_graph import CPUGraphRunner
-
         torch._inductor.config.cpp.enable_kernel_profile = True  # each fused kernel a profiler event
 
         t = time.perf_counter()
-        r.graphs = CPUGraphRunner.capture(r, sorted(job["sizes"], reverse=True), progress=False)
-        r.inplace_decode = True
+        r.config = r.config.replace(cudagraph_capture_sizes=tuple(job["sizes"]), enforce_eager=False)
+        r.capture_model(progress=False)
+        assert r.graphs is not None, "graph mode did not start (see the log)"
         res["capture_s"] = time.perf_counter() - t
     rng, bs = random.Random(0), cfg.block_size
     done: list[str] = []
@@ -93,7 +92,7 @@ def breakdown(job: dict[str, Any]) -> dict[str, Any]:
         so = SchedulerOutput(step, reqs, CachedRequestData(), {q.req_id: 1 for q in reqs}, n, done)
         done = [q.req_id for q in reqs]
         r.input_batch.update_states(so)
-        batch = r._prepare_inputs(so)
+        batch = r.input_batch.prepare(so)
         with torch.inference_mode():
             g0 = r.stats["graph_steps"]
             for _ in range(3):

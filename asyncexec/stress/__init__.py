@@ -134,7 +134,7 @@ def model_facts(model: str, dtype: str = "auto") -> ModelFacts:
     import transformers
 
     from asyncexec.model_registry import resolve_model
-    from asyncexec.worker.model_runner import _SPLIT_DIMS
+    from asyncexec.worker.model_checks import SPLIT_DIMS
 
     folder = resolve_model(model)
     try:
@@ -147,7 +147,7 @@ def model_facts(model: str, dtype: str = "auto") -> ModelFacts:
         found = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
         dtype = str(found).removeprefix("torch.") if found is not None else "float32"
         dtype = dtype if dtype in _ELEMENT_BYTES else "float32"
-    dims = {n: getattr(text, n) for n in _SPLIT_DIMS if isinstance(getattr(text, n, None), int)}
+    dims = {n: getattr(text, n) for n in SPLIT_DIMS if isinstance(getattr(text, n, None), int)}
     return ModelFacts(
         folder=folder,
         num_layers=int(text.num_hidden_layers),

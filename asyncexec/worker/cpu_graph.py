@@ -65,11 +65,10 @@ from asyncexec.ops.build import compile_cache_dir
 from asyncexec.ops.packed_linear import DedupeGroupLinears
 from asyncexec.ops.paged_decode import decode_width, fresh_function
 from asyncexec.worker.attention import MIXED_MIN_TOKENS, AttentionMetadata, mixed_step
-from asyncexec.worker.model_runner import NULL_BLOCK
+from asyncexec.worker.input_batch import NULL_BLOCK
 
 if TYPE_CHECKING:
-    from asyncexec.worker.input_batch import PreparedBatch
-    from asyncexec.worker.model_runner import ModelRunner
+    from asyncexec.worker.input_batch import InputBatch, PreparedBatch
 
 __all__ = ["CPUGraphRunner", "decoder_layers"]
 
@@ -156,20 +155,30 @@ def _size_class(b: int) -> int:
 
 
 class CPUGraphRunner:
-    def __init__(self, runner: ModelRunner, sizes: list[int]) -> None:
+    """The model's decoder layers compiled, and the decode steps that replay them; built by the
+    `ModelRunner` that owns it (`capture_model`), from what it needs of it."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attention_modules: dict[int, torch.nn.Module],
+        input_batch: InputBatch,
+        sizes: list[int],
+    ) -> None:
         max_b = max(sizes)
         rows = max(max_b, 2)  # start-up also runs 2 rows eager (`capture`)
-        self.runner = runner
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = bs = input_batch.block_size
         self.sizes = sorted(sizes, reverse=True)
-        bs = runner.config.block_size
+        self.guard_free = False  # the last replay called the compiled code without dynamo's guards
         self.input_ids = torch.zeros(rows, dtype=torch.int64)
         self.positions = torch.zeros(rows, dtype=torch.int64)
         with torch.inference_mode(False):  # a normal tensor, as every step's slot mapping is (an input
             # batch buffer): the mixed steps' layer graph, warmed up with it, guards on that
             self.slots = torch.full((rows,), NULL_BLOCK * bs, dtype=torch.int64)
-        self.block_tables = torch.full(
-            (rows, runner.input_batch.max_blocks_per_seq), NULL_BLOCK, dtype=torch.int64
-        )
+        self.block_tables = torch.full((rows, input_batch.max_blocks_per_seq), NULL_BLOCK, dtype=torch.int64)
         self.seq_lens = torch.ones(rows, dtype=torch.int64)
         self.padded = [0] * (max_b + 1)
         for n in range(1, max_b + 1):
@@ -194,32 +203,40 @@ class CPUGraphRunner:
         self.compiled = torch.compile(layer_fn, options=options)
         # mixed and prefill steps (2 tokens or more): a graph of their own, with dynamo's guards
         self.compiled_mixed = torch.compile(fresh_function(_layer_forward), options=options)
-        attention = [runner.attention_modules[i] for i in sorted(runner.attention_modules)]
-        for module, (k, v) in zip(attention, runner.kv_caches, strict=True):
+        attention = [attention_modules[i] for i in sorted(attention_modules)]
+        for module, (k, v) in zip(attention, kv_caches, strict=True):
             module.register_buffer("k_cache", k, persistent=False)
             module.register_buffer("v_cache", v, persistent=False)
-        for layer in decoder_layers(runner.model, attention):
+        for layer in decoder_layers(model, attention):
             layer.forward = _dispatch(layer, self.compiled, self.compiled_mixed)
 
     @classmethod
     @torch.inference_mode()
-    def capture(cls, runner: ModelRunner, sizes: list[int], progress: bool = True) -> CPUGraphRunner:
+    def capture(
+        cls,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attention_modules: dict[int, torch.nn.Module],
+        input_batch: InputBatch,
+        sizes: list[int],
+        progress: bool = True,
+    ) -> CPUGraphRunner:
         """Compile (or load from the on-disk cache) and run every size once, largest first."""
         from tqdm.auto import tqdm
 
-        self = cls(runner, sizes)
+        self = cls(model, kv_caches, attention_modules, input_batch, sizes)
         start = time.perf_counter()
         bar = tqdm(self.sizes, desc="compiling decode graphs", unit="size", disable=not progress)
         per_size = {}
         for b in bar:
             bar.set_postfix(batch=b)
             before = len(self._generated)
-            self._forward(b, torch.arange(b), decode_width(1, runner.config.block_size))
+            self._forward(b, torch.arange(b), decode_width(1, self.block_size))
             per_size[b] = self._generated[before:]
         self.direct = self._direct_codes(per_size)
         for b in (2, 1):  # mixed steps' decode rows: the in-place kernel, one row and many; and with
             # 2 rows, the mixed steps' layer graph (2 tokens or more: one graph serves every mixed step)
-            self._forward(b, torch.arange(b), decode_width(1, runner.config.block_size), graph=False)
+            self._forward(b, torch.arange(b), decode_width(1, self.block_size), graph=False)
         self.capture_seconds = time.perf_counter() - start
         logger.info("compiled decode graphs for sizes %s in %.1f s (cache %s)", self.sizes,
                     self.capture_seconds, self.cache_dir)  # fmt: skip
@@ -250,7 +267,7 @@ class CPUGraphRunner:
 
     def _forward(self, b: int, logits_indices: torch.Tensor, width: int, graph: bool = True) -> torch.Tensor:
         md = AttentionMetadata(
-            self.runner.kv_caches,
+            self.kv_caches,
             self.slots[:b],
             b,
             self.block_tables[:b, :width].contiguous(),  # once a step, not in each layer's kernel
@@ -260,7 +277,7 @@ class CPUGraphRunner:
         md.mixed_graph = not graph and b >= MIXED_MIN_TOKENS
         md.layer_code = self.direct.get(_size_class(b)) if graph else None
         with mixed_step(md):
-            out: Any = self.runner.model(
+            out: Any = self.model(
                 input_ids=self.input_ids[:b][None],
                 position_ids=self.positions[:b][None],
                 use_cache=False,
@@ -271,7 +288,7 @@ class CPUGraphRunner:
 
     def replay(self, batch: PreparedBatch) -> torch.Tensor | None:
         """Logits of the rows that sample, or None where no compiled size fits this batch."""
-        n, bs = batch.num_decodes, self.runner.config.block_size
+        n, bs = batch.num_decodes, self.block_size
         if n >= len(self.padded):
             return None
         b = self.padded[n]
@@ -282,8 +299,8 @@ class CPUGraphRunner:
         self.seq_lens[:n] = batch.decode_seq_lens
         self.block_tables[:n, :width] = batch.decode_block_tables
         self.block_tables[:n, width:].fill_(NULL_BLOCK)
-        self.slots[n:b].fill_(NULL_BLOCK * self.runner.config.block_size)
+        self.slots[n:b].fill_(NULL_BLOCK * bs)
         self.seq_lens[n:b].fill_(1)
         self.block_tables[n:b].fill_(NULL_BLOCK)
-        self.runner.stats["guard_free_steps"] += _size_class(b) in self.direct
+        self.guard_free = _size_class(b) in self.direct
         return self._forward(b, batch.logits_indices, decode_width(width * bs, bs))

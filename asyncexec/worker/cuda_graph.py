@@ -17,11 +17,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncexec.worker.attention import AttentionMetadata
-from asyncexec.worker.model_runner import NULL_BLOCK
+from asyncexec.worker.input_batch import NULL_BLOCK
 
 if TYPE_CHECKING:
-    from asyncexec.worker.input_batch import PreparedBatch
-    from asyncexec.worker.model_runner import ModelRunner
+    from asyncexec.worker.input_batch import InputBatch, PreparedBatch
 
 __all__ = ["CUDAGraphRunner"]
 
@@ -29,18 +28,29 @@ logger = logging.getLogger(__name__)
 
 
 class CUDAGraphRunner:
-    def __init__(self, runner: ModelRunner, sizes: list[int]) -> None:
-        dev = runner.device
+    """CUDA graphs of the model's forward, one per decode batch size; built by the `ModelRunner` that
+    owns it (`capture_model`), from what it needs of it."""
+
+    guard_free = False  # (a CPU graph runner's stat)
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        input_batch: InputBatch,
+        sizes: list[int],
+    ) -> None:
+        dev = kv_caches[0][0].device
         max_b = max(sizes)
-        self.runner = runner
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = input_batch.block_size
         self.null_block = NULL_BLOCK
         self.input_ids = torch.zeros(max_b, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_b, dtype=torch.int64, device=dev)
-        self.slots = torch.full(
-            (max_b,), self.null_block * runner.config.block_size, dtype=torch.int64, device=dev
-        )
+        self.slots = torch.full((max_b,), self.null_block * self.block_size, dtype=torch.int64, device=dev)
         self.block_tables = torch.full(
-            (max_b, runner.input_batch.max_blocks_per_seq), self.null_block, dtype=torch.int64, device=dev
+            (max_b, input_batch.max_blocks_per_seq), self.null_block, dtype=torch.int64, device=dev
         )
         self.seq_lens = torch.ones(max_b, dtype=torch.int64, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -51,8 +61,14 @@ class CUDAGraphRunner:
 
     @classmethod
     @torch.inference_mode()
-    def capture(cls, runner: ModelRunner, sizes: list[int]) -> CUDAGraphRunner:
-        self = cls(runner, sizes)
+    def capture(
+        cls,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        input_batch: InputBatch,
+        sizes: list[int],
+    ) -> CUDAGraphRunner:
+        self = cls(model, kv_caches, input_batch, sizes)
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for b in sorted(sizes, reverse=True):
@@ -68,10 +84,8 @@ class CUDAGraphRunner:
         return self
 
     def _forward(self, b: int) -> torch.Tensor:
-        md = AttentionMetadata(
-            self.runner.kv_caches, self.slots[:b], b, self.block_tables[:b], self.seq_lens[:b]
-        )
-        out: Any = self.runner.model(
+        md = AttentionMetadata(self.kv_caches, self.slots[:b], b, self.block_tables[:b], self.seq_lens[:b])
+        out: Any = self.model(
             input_ids=self.input_ids[:b][None],
             position_ids=self.positions[:b][None],
             use_cache=False,
@@ -93,7 +107,7 @@ class CUDAGraphRunner:
         self.seq_lens[:n].copy_(batch.decode_seq_lens, non_blocking=True)
         self.block_tables[:n, :width].copy_(batch.decode_block_tables, non_blocking=True)
         self.block_tables[:n, width:].fill_(self.null_block)
-        self.slots[n:b].fill_(self.null_block * self.runner.config.block_size)
+        self.slots[n:b].fill_(self.null_block * self.block_size)
         self.seq_lens[n:b].fill_(1)
         self.block_tables[n:b].fill_(self.null_block)
         graph, out = self.graphs[b]

@@ -20,7 +20,10 @@ from asyncexec.errors import ProtocolError
 from asyncexec.messages import SchedulerOutput
 from asyncexec.sampling_params import SamplingParams
 
-__all__ = ["DECODE_GROUP", "CachedRequestState", "InputBatch", "PreparedBatch"]
+__all__ = ["DECODE_GROUP", "NULL_BLOCK", "CachedRequestState", "InputBatch", "PreparedBatch"]
+
+# vLLM's convention: block 0 is never handed out by the scheduler. Padded graph rows write there.
+NULL_BLOCK = 0
 
 # Decode rows are attended in groups of this many, sorted by length: padding a group only to its own
 # longest row cuts the gather and SDPA work of a batch of mixed lengths about in half (2 CPU cores).

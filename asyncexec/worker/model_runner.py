@@ -1,8 +1,8 @@
 """`ModelRunner`: a transformers causal LM on asyncexec's paged KV cache.
 
-One step: `InputBatch.update_states` (deltas) -> `_prepare_inputs` (flat inputs in preallocated buffers)
--> CUDA-graph replay for a uniform decode batch that fits a captured size, else the eager forward ->
-sample -> `ModelRunnerOutput`.
+One step: `InputBatch.update_states` (deltas) -> `InputBatch.prepare` (flat inputs in preallocated
+buffers) -> graph replay for a uniform decode batch that fits a captured size (the runner's own graph
+runner, built by `capture_model`), else the eager forward -> sample -> `ModelRunnerOutput`.
 
 The forward is one flattened call: `input_ids [1, T]`, explicit `position_ids [1, T]` (RoPE and GPT-2's
 absolute positions need them), `use_cache=False` (no DynamicCache), `logits_to_keep` = the last token of
@@ -25,46 +25,18 @@ from asyncexec.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 from asyncexec.quantization.int8 import activation_scales
 from asyncexec.quantization.pack import check_quantization, pack_linears
 from asyncexec.worker.attention import MIXED_MIN_TOKENS, AttentionMetadata, mixed_step, register_attention
-from asyncexec.worker.input_batch import InputBatch, PreparedBatch
+from asyncexec.worker.input_batch import NULL_BLOCK, InputBatch, PreparedBatch
+from asyncexec.worker.model_checks import check_tensor_parallel, model_max_len
 from asyncexec.worker.prompt_logprobs import PromptLogprobsRows
 from asyncexec.worker.sampler import Sampler
 
 __all__ = ["NULL_BLOCK", "ModelRunner"]
 
-# vLLM's convention: block 0 is never handed out by the scheduler. Padded CUDA-graph rows write there.
-NULL_BLOCK = 0
 
 logger = logging.getLogger(__name__)
 
 PROFILE_TOKENS_CPU = 16
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def model_max_len(hf_config: Any) -> int:
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(hf_config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    raise ConfigError(f"cannot tell the context length of {type(hf_config).__name__}; set max_model_len")
-
-
-# The dimensions transformers' tensor-parallel plans split across ranks (colwise/rowwise projections).
-_SPLIT_DIMS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
-
-
-def check_tensor_parallel(arch: str, hf_config: Any, world_size: int) -> None:
-    """Refuse, before any weight is loaded, a split that does not divide every dimension it cuts."""
-    if world_size == 1:
-        return
-    text = hf_config.get_text_config()
-    dims = {n: getattr(text, n) for n in _SPLIT_DIMS if isinstance(getattr(text, n, None), int)}
-    bad = {n: v for n, v in dims.items() if v % world_size}
-    if bad:
-        shown = ", ".join(f"{n}={v}" for n, v in dims.items())
-        raise ConfigError(
-            f"{arch} cannot be split over tensor_parallel_size={world_size}: {shown}, and "
-            f"{', '.join(bad)} must be divisible by {world_size}"
-        )
 
 
 class ModelRunner:
@@ -213,6 +185,37 @@ class ModelRunner:
         logger.info("allocated %d KV blocks of %d tokens (%.1f MiB)", num_blocks, bs,
                     num_blocks * self.kv_cache_block_bytes() / 2**20)  # fmt: skip
 
+    # ----- graphs ---------------------------------------------------------------------------------
+
+    def capture_model(self, progress: bool = True) -> None:
+        """Graph mode, unless `enforce_eager`: CUDA graphs on CUDA; on CPU, compiled decoder layers (and
+        the in-place decode kernel for eager steps' decode rows), where a C++ compiler works."""
+        if self.config.enforce_eager:
+            return
+        sizes = self.config.capture_sizes
+        if self.device.type == "cuda":
+            from asyncexec.worker.cuda_graph import CUDAGraphRunner
+
+            self.graphs = CUDAGraphRunner.capture(self.model, self.kv_caches, self.input_batch, sizes)
+        elif self.device.type == "cpu":
+            from asyncexec.ops.build import compiler_missing
+            from asyncexec.worker.cpu_graph import CPUGraphRunner
+
+            missing = compiler_missing()
+            if missing is not None:  # graph mode compiles C++: without a compiler, eager serves
+                if progress:  # rank 0 says it
+                    logger.warning(
+                        "graph mode needs a C++ compiler and none works here (%s); running eager, "
+                        "slower: install g++ (or point CXX at a compiler), or pass enforce_eager=True "
+                        "to say so",
+                        missing,
+                    )
+                return
+            self.graphs = CPUGraphRunner.capture(
+                self.model, self.kv_caches, self.attention_modules, self.input_batch, sizes, progress
+            )
+            self.inplace_decode = True
+
     # ----- the step -------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -224,7 +227,7 @@ class ModelRunner:
         self.sampler.update_states(so)
         if not so.num_scheduled_tokens:
             return ModelRunnerOutput([], [])
-        batch = self._prepare_inputs(so)
+        batch = self.input_batch.prepare(so)
         num_prompt = self.sampler.num_prompt_tokens
         prompt_rows = PromptLogprobsRows.build(so, batch, self.input_batch.requests, num_prompt)
         if prompt_rows is not None:  # their logits follow the sampling rows'
@@ -258,14 +261,12 @@ class ModelRunner:
             batch.req_ids, per_row, _align(logprobs, rows, len(batch.req_ids)), prompt_lps
         )
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> PreparedBatch:
-        return self.input_batch.prepare(so)
-
     def _forward(self, b: PreparedBatch) -> torch.Tensor:
         if self.graphs is not None and b.num_decodes == len(b.req_ids):
             logits: torch.Tensor | None = self.graphs.replay(b)
             if logits is not None:
                 self.stats["graph_steps"] += 1
+                self.stats["guard_free_steps"] += self.graphs.guard_free  # the last replay's
                 return logits
         dev = self.device
         md = AttentionMetadata(

@@ -136,28 +136,7 @@ class Worker:
         self.compile_or_warm_up_model()
 
     def compile_or_warm_up_model(self) -> None:
-        runner = self._runner("compile_or_warm_up_model")
-        if self.device is not None and self.device.type == "cuda" and not self.config.enforce_eager:
-            from asyncexec.worker.cuda_graph import CUDAGraphRunner
-
-            runner.graphs = CUDAGraphRunner.capture(runner, self.config.capture_sizes)
-        elif self.device is not None and self.device.type == "cpu" and not self.config.enforce_eager:
-            from asyncexec.ops.build import compiler_missing
-            from asyncexec.worker.cpu_graph import CPUGraphRunner
-
-            missing = compiler_missing()
-            if missing is not None:  # graph mode compiles C++: without a compiler, eager serves
-                if self.rank == 0:
-                    logger.warning(
-                        "graph mode needs a C++ compiler and none works here (%s); running eager, "
-                        "slower: install g++ (or point CXX at a compiler), or pass enforce_eager=True "
-                        "to say so",
-                        missing,
-                    )
-                return
-
-            runner.graphs = CPUGraphRunner.capture(runner, self.config.capture_sizes, self.rank == 0)
-            runner.inplace_decode = True
+        self._runner("compile_or_warm_up_model").capture_model(progress=self.rank == 0)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._runner("execute_model").execute_model(scheduler_output)

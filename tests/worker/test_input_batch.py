@@ -1,4 +1,4 @@
-"""The persistent batch and `_prepare_inputs`: slots, block tables, chunking, preemption edge cases."""
+"""The persistent batch and `InputBatch.prepare`: slots, block tables, chunking, preemption edge cases."""
 
 from __future__ import annotations
 

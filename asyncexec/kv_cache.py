@@ -28,10 +28,23 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["BlockHash", "BlockPool", "HashFn", "KVCacheManager", "PrefixCacheStats", "hash_block_tokens"]
+__all__ = [
+    "BlockHash",
+    "BlockPool",
+    "HashFn",
+    "KVCacheManager",
+    "PrefixCacheStats",
+    "hash_block_tokens",
+    "tokens_held",
+]
 
 BlockHash = bytes
 HashFn = Callable[[BlockHash | None, Sequence[int]], BlockHash]
+
+
+def tokens_held(num_blocks: int, block_size: int) -> int:
+    """The computed tokens a cache of `num_blocks` holds: all but block 0, the null block."""
+    return (num_blocks - 1) * block_size
 
 
 def hash_block_tokens(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:

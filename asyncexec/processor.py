@@ -14,6 +14,7 @@ import msgspec
 from asyncexec.config import EngineConfig
 from asyncexec.detokenizer import RequestDetokenizer
 from asyncexec.errors import InvalidRequestError
+from asyncexec.kv_cache import tokens_held
 from asyncexec.outputs import RequestOutput
 from asyncexec.request import Request
 from asyncexec.sampling_params import SamplingParams, check_token_ids_in_vocab
@@ -36,7 +37,7 @@ class InputProcessor:
         self.num_blocks = num_blocks
         # the tokens one sequence can reach: max_model_len, or fewer where the KV cache holds fewer (its
         # usable blocks hold `kv_capacity` computed tokens; the last sampled token is never computed)
-        self.kv_capacity = (num_blocks - 1) * config.block_size
+        self.kv_capacity = tokens_held(num_blocks, config.block_size)
         self.max_seq_len: int = min(self.max_model_len, self.kv_capacity + 1)
 
     def sampling_params(self, sp: SamplingParams | None) -> SamplingParams:

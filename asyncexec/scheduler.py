@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from asyncexec.config import EngineConfig
-from asyncexec.kv_cache import KVCacheManager
+from asyncexec.kv_cache import KVCacheManager, tokens_held
 from asyncexec.messages import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -61,7 +61,7 @@ class Scheduler:
         # A request stops ("length") before it outgrows the whole cache, so one running alone always gets
         # its blocks: never preempted for blocks that cannot come (the engine refuses a request whose
         # max_tokens would reach this bound first; see `InputProcessor.check_fits`).
-        self.max_model_len = min(max_model_len, self.kv.pool.num_usable * config.block_size + 1)
+        self.max_model_len = min(max_model_len, tokens_held(num_blocks, config.block_size) + 1)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}

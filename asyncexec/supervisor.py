@@ -26,6 +26,7 @@ from asyncexec.config import EngineConfig
 from asyncexec.errors import ConfigError, ExecutorClosedError, WorkerDiedError, WorkerStartupError
 from asyncexec.executor import Executor, MultiProcExecutor
 from asyncexec.executor.spares import SpareWorkers
+from asyncexec.kv_cache import tokens_held
 from asyncexec.metrics import EngineMetrics
 from asyncexec.model_registry import resolve_config
 
@@ -74,7 +75,7 @@ class ExecutorSupervisor:
             bs,
             num_blocks * block_bytes / 2**20,
         )
-        holds = (num_blocks - 1) * bs  # block 0 is the null block
+        holds = tokens_held(num_blocks, bs)
         if holds + 1 < max_model_len:  # vLLM refuses to start; the requests that fit are still served
             logger.warning(
                 "the KV cache holds %d tokens (%d blocks of %d), fewer than one sequence of "

@@ -210,21 +210,11 @@ class CPUGraphRunner:
         for layer in decoder_layers(model, attention):
             layer.forward = _dispatch(layer, self.compiled, self.compiled_mixed)
 
-    @classmethod
     @torch.inference_mode()
-    def capture(
-        cls,
-        model: torch.nn.Module,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attention_modules: dict[int, torch.nn.Module],
-        input_batch: InputBatch,
-        sizes: list[int],
-        progress: bool = True,
-    ) -> CPUGraphRunner:
+    def capture(self, progress: bool = True) -> CPUGraphRunner:
         """Compile (or load from the on-disk cache) and run every size once, largest first."""
         from tqdm.auto import tqdm
 
-        self = cls(model, kv_caches, attention_modules, input_batch, sizes)
         start = time.perf_counter()
         bar = tqdm(self.sizes, desc="compiling decode graphs", unit="size", disable=not progress)
         per_size = {}

@@ -44,6 +44,7 @@ class CUDAGraphRunner:
         max_b = max(sizes)
         self.model = model
         self.kv_caches = kv_caches
+        self.sizes = sorted(sizes, reverse=True)  # captured largest first, into one pool
         self.block_size = input_batch.block_size
         self.null_block = NULL_BLOCK
         self.input_ids = torch.zeros(max_b, dtype=torch.int64, device=dev)
@@ -59,19 +60,11 @@ class CUDAGraphRunner:
         for n in range(1, max_b + 1):
             self.padded[n] = min(s for s in sizes if s >= n)
 
-    @classmethod
     @torch.inference_mode()
-    def capture(
-        cls,
-        model: torch.nn.Module,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        input_batch: InputBatch,
-        sizes: list[int],
-    ) -> CUDAGraphRunner:
-        self = cls(model, kv_caches, input_batch, sizes)
+    def capture(self) -> CUDAGraphRunner:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        for b in sorted(sizes, reverse=True):
+        for b in self.sizes:
             self._forward(b)  # warm-up: lazy initialisation must not happen inside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -80,7 +73,9 @@ class CUDAGraphRunner:
             self.graphs[b] = (graph, out)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs (sizes %s) in %.2f s", len(sizes), sizes, self.capture_seconds)
+        logger.info(
+            "captured %d CUDA graphs (sizes %s) in %.2f s", len(self.sizes), self.sizes, self.capture_seconds
+        )
         return self
 
     def _forward(self, b: int) -> torch.Tensor:

@@ -196,7 +196,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             from asyncexec.worker.cuda_graph import CUDAGraphRunner
 
-            self.graphs = CUDAGraphRunner.capture(self.model, self.kv_caches, self.input_batch, sizes)
+            self.graphs = CUDAGraphRunner(self.model, self.kv_caches, self.input_batch, sizes).capture()
         elif self.device.type == "cpu":
             from asyncexec.ops.build import compiler_missing
             from asyncexec.worker.cpu_graph import CPUGraphRunner
@@ -211,9 +211,9 @@ class ModelRunner:
                         missing,
                     )
                 return
-            self.graphs = CPUGraphRunner.capture(
-                self.model, self.kv_caches, self.attention_modules, self.input_batch, sizes, progress
-            )
+            self.graphs = CPUGraphRunner(
+                self.model, self.kv_caches, self.attention_modules, self.input_batch, sizes
+            ).capture(progress)
             self.inplace_decode = True
 
     # ----- the step -------------------------------------------------------------------------------

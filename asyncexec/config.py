@@ -75,7 +75,7 @@ class EngineConfig:
             for a few streams, but more memory, not less (see the README). None keeps the weights in
             `dtype`.
         enforce_eager: run every step eager: no CUDA graphs, and on CPU no compiled decode graphs
-            (`asyncexec.worker.cpu_graph`), in-place decode kernel or prepacked linears.
+            (`asyncexec.worker.graphs.cpu`), in-place decode kernel or prepacked linears.
         cudagraph_capture_sizes: the decode batch sizes of graph mode (CUDA graphs, or compiled CPU
             graphs); a batch is padded to the next size. None means 1, 2, 4, 8, then steps of 8 up to
             `max_num_seqs`.
@@ -127,9 +127,13 @@ class EngineConfig:
     max_worker_restarts: int = 3
 
     def __post_init__(self) -> None:
-        _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
-        _check_int("shm_arena_bytes", self.shm_arena_bytes, minimum=0)
-        _check_int("inline_tensor_bytes", self.inline_tensor_bytes, minimum=0)
+        self._check_choices()
+        self._check_numbers()
+        self._check_capture_sizes()
+        self._check_distribution()
+
+    def _check_choices(self) -> None:
+        """The fields that name something: model, executor, device, extension, dtype, quantization."""
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise ConfigError(
                 f"model must be a folder path, a built-in model name or None, got {self.model!r}"
@@ -144,19 +148,12 @@ class EngineConfig:
             raise ConfigError(
                 f"worker_extension must look like 'package.module:ClassName', got {self.worker_extension!r}"
             )
-        if self.rpc_timeout_s is not None:
-            _check_positive("rpc_timeout_s", self.rpc_timeout_s)
-        _check_positive("worker_start_timeout_s", self.worker_start_timeout_s)
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(
                 f"quantization={self.quantization!r} is not supported; supported: {QUANTIZATIONS} or None"
             )
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
-            _check_int(name, getattr(self, name), minimum=1)
-        for name in ("seed", "max_worker_restarts", "max_logprobs", "long_prefill_token_threshold"):
-            _check_int(name, getattr(self, name), minimum=0)
         for name in (
             "enforce_eager",
             "check_rank_agreement",
@@ -165,6 +162,19 @@ class EngineConfig:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    def _check_numbers(self) -> None:
+        """Counts, sizes, timeouts and fractions, each in its range."""
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        _check_int("shm_arena_bytes", self.shm_arena_bytes, minimum=0)
+        _check_int("inline_tensor_bytes", self.inline_tensor_bytes, minimum=0)
+        if self.rpc_timeout_s is not None:
+            _check_positive("rpc_timeout_s", self.rpc_timeout_s)
+        _check_positive("worker_start_timeout_s", self.worker_start_timeout_s)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("seed", "max_worker_restarts", "max_logprobs", "long_prefill_token_threshold"):
+            _check_int(name, getattr(self, name), minimum=0)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, minimum=1)
         if self.kv_cache_memory_bytes is not None:
@@ -172,18 +182,24 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
-        if self.cudagraph_capture_sizes is not None:
-            sizes = self.cudagraph_capture_sizes
-            if not isinstance(sizes, (list, tuple)) or not sizes:
-                raise ConfigError(f"cudagraph_capture_sizes must be a non-empty list of sizes, got {sizes!r}")
-            for s in sizes:
-                _check_int("cudagraph_capture_sizes", s, minimum=1)
-            if min(sizes) > self.max_num_seqs:  # graph mode would have no size to capture
-                raise ConfigError(
-                    f"cudagraph_capture_sizes {sorted(sizes)} are all above "
-                    f"max_num_seqs={self.max_num_seqs}: give at least one size <= max_num_seqs (sizes above "
-                    "it are never used)"
-                )
+
+    def _check_capture_sizes(self) -> None:
+        sizes = self.cudagraph_capture_sizes
+        if sizes is None:
+            return
+        if not isinstance(sizes, (list, tuple)) or not sizes:
+            raise ConfigError(f"cudagraph_capture_sizes must be a non-empty list of sizes, got {sizes!r}")
+        for s in sizes:
+            _check_int("cudagraph_capture_sizes", s, minimum=1)
+        if min(sizes) > self.max_num_seqs:  # graph mode would have no size to capture
+            raise ConfigError(
+                f"cudagraph_capture_sizes {sorted(sizes)} are all above "
+                f"max_num_seqs={self.max_num_seqs}: give at least one size <= max_num_seqs (sizes above "
+                "it are never used)"
+            )
+
+    def _check_distribution(self) -> None:
+        """Ray's placement, the address other machines reach, and ranks that need processes."""
         if self.ray_placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
             raise ConfigError(f"ray_placement_strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, "
                               f"got {self.ray_placement_strategy!r}")  # fmt: skip

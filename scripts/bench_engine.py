@@ -269,7 +269,7 @@ def prepare_model(args: argparse.Namespace) -> tuple[str, Any, int | None]:
     from asyncexec.model_registry import resolve_model
 
     if args.quick:
-        from asyncexec.models import BENCH_MODEL, EOS, make_tiny_model
+        from asyncexec.testing import BENCH_MODEL, EOS, make_tiny_model
 
         if not os.path.isdir(TINY):
             progress(f"building {TINY}")

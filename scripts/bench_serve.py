@@ -45,8 +45,8 @@ import msgspec
 import uvloop
 
 from asyncexec import AsyncEngine, EngineConfig, SamplingParams
-from asyncexec.models import BENCH_MODEL, make_tiny_model
 from asyncexec.sampling_params import StructuredOutputsParams
+from asyncexec.testing import BENCH_MODEL, make_tiny_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_engine import TEXT  # the same English text

@@ -35,7 +35,7 @@ from asyncexec import (
     SchedulerOutput,
 )
 from asyncexec.executor.uniproc import UniProcExecutor
-from asyncexec.models import make_tiny_model
+from asyncexec.testing import make_tiny_model
 
 SIZES = [1, 2, 4, 8, 16, 32, 64]
 BLOCK = 16

@@ -16,7 +16,7 @@ import torch
 
 from asyncexec.ipc.channel import socket_dir_owner
 from asyncexec.ipc.shm import SHM_DIR, pid_alive, segment_owner
-from asyncexec.models import ARCHS, make_tiny_model
+from asyncexec.testing import ARCHS, make_tiny_model
 
 
 def asyncexec_segments() -> set[str]:

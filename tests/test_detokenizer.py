@@ -6,8 +6,13 @@ from __future__ import annotations
 import itertools
 import random
 
-from asyncexec.detokenizer import IncrementalDetokenizer, RequestDetokenizer, check_stop_strings, held_back
-from asyncexec.models import _tokenizer
+from asyncexec.engine.detokenizer import (
+    IncrementalDetokenizer,
+    RequestDetokenizer,
+    check_stop_strings,
+    held_back,
+)
+from asyncexec.testing import _tokenizer
 
 
 def test_incremental_text_equals_the_full_decode() -> None:

@@ -7,7 +7,7 @@ from array import array
 
 import pytest
 
-from asyncexec.kv_cache import KVCacheManager, hash_block_tokens
+from asyncexec.core.kv_cache import KVCacheManager, hash_block_tokens
 
 BS = 4
 

@@ -4,7 +4,11 @@ only torch and itself."""
 from __future__ import annotations
 
 import ast
+import importlib
+import sys
 from pathlib import Path
+
+import pytest
 
 import asyncexec
 
@@ -114,3 +118,32 @@ def test_every_kernel_lives_in_ops_which_imports_only_torch_and_itself() -> None
         if m.startswith("asyncexec.ops"):
             foreign = {d for d in _imports(p, module_level=False) if not d.startswith("asyncexec.ops")}
             assert foreign == set(), f"{m} imports {foreign}"
+
+
+def test_the_top_level_shows_the_layers() -> None:
+    packages = sorted(p.parent.name for p in PKG.glob("*/__init__.py"))
+    assert {"core", "engine", "entrypoints", "executor", "ipc", "ops", "quantization", "worker"} <= set(
+        packages
+    )
+    loose = sorted(p.stem for p in PKG.glob("*.py") if not p.stem.startswith("__"))
+    moved = {old.rpartition(".")[2] for old in asyncexec.MOVED_MODULES}
+    assert not moved & set(loose), "a moved module's old file is back at the top level"
+    assert "models" not in loose, "tiny test models live in asyncexec.testing"
+
+
+@pytest.mark.parametrize("old", sorted(asyncexec.MOVED_MODULES))
+def test_a_moved_module_imports_under_its_old_name_as_the_same_module(old: str) -> None:
+    new = asyncexec.MOVED_MODULES[old]
+    assert importlib.import_module(old) is importlib.import_module(new)
+    module = sys.modules[new]
+    assert module.__name__ == new and module.__spec__ is not None and module.__spec__.name == new
+
+
+def test_old_import_paths_keep_working() -> None:
+    from asyncexec.models import make_tiny_model  # type: ignore[import-not-found,unused-ignore]
+    from asyncexec.scheduler import Scheduler as OldScheduler  # type: ignore[import-not-found,unused-ignore]
+
+    from asyncexec.core.scheduler import Scheduler
+    from asyncexec.testing import make_tiny_model as new_make
+
+    assert OldScheduler is Scheduler and make_tiny_model is new_make

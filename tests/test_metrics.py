@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from asyncexec.engine.metrics import EngineMetrics
 from asyncexec.errors import ExecutorClosedError
-from asyncexec.metrics import EngineMetrics
 
 
 def test_an_engine_not_started_renders_no_state_and_a_broken_one_raises() -> None:

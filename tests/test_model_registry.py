@@ -9,7 +9,7 @@ import pytest
 
 from asyncexec import ConfigError, EngineConfig
 from asyncexec import model_registry as reg
-from asyncexec.models import make_tiny_model
+from asyncexec.testing import make_tiny_model
 
 
 @pytest.fixture

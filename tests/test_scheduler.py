@@ -8,8 +8,8 @@ from collections.abc import Callable
 import pytest
 
 from asyncexec import EngineConfig, SamplingParams
+from asyncexec.core.scheduler import Request, RequestStatus, Scheduler
 from asyncexec.messages import ModelRunnerOutput, SchedulerOutput
-from asyncexec.scheduler import Request, RequestStatus, Scheduler
 
 BS = 4
 EOS = 2

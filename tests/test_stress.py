@@ -161,8 +161,8 @@ def test_the_stress_defaults_fit_the_built_in_model() -> None:
 
 
 def test_the_stress_defaults_keep_two_ranks_where_the_model_splits(tmp_path: Path) -> None:
-    from asyncexec.models import make_tiny_model
     from asyncexec.stress import default_kv_blocks, stress_config
+    from asyncexec.testing import make_tiny_model
 
     tiny = make_tiny_model(tmp_path / "llama", "llama")  # 4 heads, 2 KV heads: tensor parallelism exercised
     ns = _stress_ns("--model", str(tiny))
@@ -182,8 +182,8 @@ def test_the_stress_defaults_keep_two_ranks_where_the_model_splits(tmp_path: Pat
 
 
 def test_the_greedy_check_is_skipped_with_its_reason_in_half_precision(tmp_path: Path) -> None:
-    from asyncexec.models import make_tiny_model
     from asyncexec.stress import greedy_skip_reason, model_facts
+    from asyncexec.testing import make_tiny_model
 
     assert greedy_skip_reason("float32") is None
     for dtype in ("bfloat16", "float16"):

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from asyncexec import ConfigError, EngineConfig, WorkerDiedError
-from asyncexec.metrics import EngineMetrics
-from asyncexec.supervisor import ExecutorSupervisor
+from asyncexec.engine.metrics import EngineMetrics
+from asyncexec.engine.supervisor import ExecutorSupervisor
 
 INFO = {"max_model_len": 64, "eos_token_ids": [2], "vocab_size": 100, "architecture": "Fake"}
 
@@ -65,7 +65,7 @@ def current(sup: ExecutorSupervisor) -> object:
 def supervisor(monkeypatch: pytest.MonkeyPatch, plan: list[FakeExecutor], **kw: object) -> ExecutorSupervisor:
     """A supervisor whose `Executor.create` hands out `plan`'s executors in order."""
     made = iter(plan)
-    monkeypatch.setattr("asyncexec.supervisor.Executor.create", lambda config: next(made))
+    monkeypatch.setattr("asyncexec.engine.supervisor.Executor.create", lambda config: next(made))
     fields: dict[str, object] = {"block_size": 4, "max_num_seqs": 2}
     fields.update(kw)
     return ExecutorSupervisor(EngineConfig(**fields), EngineMetrics(no_stats))  # type: ignore[arg-type]

@@ -16,131 +16,22 @@ import sys
 import time
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 from asyncexec import envs
-from asyncexec.entrypoints.config_args import add_engine_args, engine_config_from_args
+from asyncexec.entrypoints.cli_args import BENCHMARKS, build_parser
+from asyncexec.entrypoints.config_args import engine_config_from_args
 from asyncexec.errors import AsyncExecError, ConfigError
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 _T = TypeVar("_T")
 
-BENCHMARKS = {"ipc": "bench_ipc.py", "engine": "bench_engine.py", "serve": "bench_serve.py"}
 _SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 class UsageError(Exception):
     """A bad command line: one line on stderr and exit status 2."""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from asyncexec.models import ARCHS
-
-    parser = _Parser(prog="asyncexec", description="An asyncio-native execution runtime for LLM inference.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
-
-    p = sub.add_parser(
-        "make-model", help="write a tiny random Hugging Face model folder (nothing is downloaded)"
-    )
-    p.add_argument("dir", metavar="DIR", help="the folder to write")
-    p.add_argument("--arch", choices=ARCHS, default="llama", help="the architecture (default: llama)")
-    p.add_argument("--seed", type=int, default=0, help="the weights' random seed (default: 0)")
-    p.add_argument("--num-layers", type=int, default=None, help="transformer layers (default: 2)")
-    p.add_argument("--hidden-size", type=int, default=None, help="hidden size (default: 64)")
-    p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
-
-    p = sub.add_parser("generate", help="stream completions of PROMPTs to the terminal")
-    p.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt texts, generated concurrently")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1)")
-    p.add_argument("--top-k", type=int, default=0, help="top-k sampling, 0 disables it (default: 0)")
-    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template as a user turn")
-    _common(p)
-
-    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    p.add_argument("--host", default="127.0.0.1", help="the address to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="the port to bind (default: 8000)")
-    p.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the model's name in the API (default: the --model argument)",
-    )
-    p.add_argument(
-        "--shutdown-timeout",
-        type=int,
-        default=30,
-        help="on SIGTERM, seconds running requests may take to finish before they are aborted (default: 30)",
-    )
-    p.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=4 << 20,
-        help="larger request bodies are refused with 413 (default: 4194304, 4 MiB)",
-    )
-    p.add_argument(
-        "--tool-call-parser",
-        choices=["hermes"],
-        default=None,
-        help="read tool calls from the model's text (<tool_call>{json}</tool_call>): tool_choice auto, none",
-    )
-    p.add_argument(
-        "--allowed-hosts",
-        default=None,
-        metavar="HOST[,HOST...]",
-        help="Host header values answered, a port aside; others get 421, which stops DNS rebinding "
-        "(default: the --host address, localhost, 127.0.0.1, [::1]; * answers any)",
-    )
-    p.add_argument(
-        "--allowed-origins",
-        default=None,
-        metavar="ORIGIN[,ORIGIN...]",
-        help="origins (https://app.example.com) whose web pages may call the API: CORS headers are "
-        "answered to them only (default: none, no CORS headers; * allows any)",
-    )
-    p.add_argument(
-        "--api-key",
-        default=None,
-        metavar="KEY",
-        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize (401 otherwise); "
-        "/health, /metrics and /version stay open (default: the ASYNCEXEC_API_KEY environment variable, "
-        "else no key)",
-    )
-    _common(p, default_level="info")
-
-    p = sub.add_parser("bench", help="run the benchmark scripts (each prints a table and writes JSON)")
-    p.add_argument(
-        "which", choices=[*BENCHMARKS, "all"], nargs="?", default="all", help="which (default: all)"
-    )
-    p.add_argument("--quick", action="store_true", help="the scripts' short versions")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="more arguments for the script(s), after --")
-
-    from asyncexec.stress import add_stress_args
-
-    p = sub.add_parser("stress", help="a bounded stress run that checks the runtime's invariants")
-    add_stress_args(p)
-    _common(p, model=False)
-    return parser
-
-
-def _common(p: argparse.ArgumentParser, default_level: str = "warning", model: bool = True) -> None:
-    from asyncexec.model_registry import DEFAULT_MODEL
-
-    p.add_argument(
-        "--log-level",
-        default=default_level,
-        choices=["debug", "info", "warning", "error"],
-        help=f"logging level (default: {default_level})",
-    )
-    add_engine_args(p, default_model=DEFAULT_MODEL if model else None)
 
 
 def _check_model_dir(path: str) -> None:
@@ -158,7 +49,7 @@ def _check_model_dir(path: str) -> None:
 
 
 def _make_model(ns: argparse.Namespace) -> int:
-    from asyncexec.models import make_tiny_model
+    from asyncexec.testing import make_tiny_model
 
     out = Path(ns.dir)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not ns.force)):
@@ -193,54 +84,68 @@ async def _generate(ns: argparse.Namespace) -> int:
     )
     print(f"starting the engine ({config.executor_kind}, {config.world_size} rank(s)) ...", file=sys.stderr)
     async with AsyncEngine(config) as engine:
-        prompts: list[str | list[int]] = list(ns.prompts)
-        if ns.chat:
-            tok = engine.tokenizer
-            if tok is None or not getattr(tok, "chat_template", None):
-                raise UsageError("--chat: this model's tokenizer has no chat template")
-            prompts = [
-                list(
-                    tok.apply_chat_template(
-                        [{"role": "user", "content": p}],
-                        add_generation_prompt=True,
-                        tokenize=True,
-                        return_dict=False,
-                    )
-                )
-                for p in ns.prompts
-            ]
-        # Prompts print in order: the one at the cursor streams live, later ones buffer until it is done.
-        texts = [""] * len(prompts)
-        done = [False] * len(prompts)
-        printed, cursor = [0], [0]
-        t0, total = time.perf_counter(), [0]
-
-        def flush() -> None:
-            while cursor[0] < len(prompts):
-                i = cursor[0]
-                if printed[0] == 0 and len(prompts) > 1:
-                    sys.stdout.write(f"[{i}] ")
-                sys.stdout.write(texts[i][printed[0] :])
-                printed[0] = len(texts[i])
-                if not done[i]:
-                    break
-                sys.stdout.write("\n")
-                cursor[0], printed[0] = i + 1, 0
-            sys.stdout.flush()
+        prompts = _chat_prompts(engine.tokenizer, ns.prompts) if ns.chat else list(ns.prompts)
+        printer = _InOrder(len(prompts))
+        t0 = time.perf_counter()
 
         async def one(i: int, prompt: str | list[int]) -> None:
             async for out in engine.generate(prompt, sp):
-                texts[i] = out.text or ""
-                if out.finished:
-                    done[i] = True
-                    total[0] += len(out.token_ids)
-                if i == cursor[0]:
-                    flush()
+                printer.update(i, out.text or "", len(out.token_ids) if out.finished else None)
 
         await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         dt = time.perf_counter() - t0
-        print(f"{total[0]} tokens in {dt:.2f} s ({total[0] / dt:.1f} tokens/s)", file=sys.stderr)
+        print(f"{printer.tokens} tokens in {dt:.2f} s ({printer.tokens / dt:.1f} tokens/s)", file=sys.stderr)
     return 0
+
+
+def _chat_prompts(tok: Any, prompts: Sequence[str]) -> list[str | list[int]]:
+    """Each prompt as a user turn in the model's chat template, tokenized."""
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise UsageError("--chat: this model's tokenizer has no chat template")
+    return [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for p in prompts
+    ]
+
+
+class _InOrder:
+    """Streams to stdout in prompt order: the one at the cursor live, later ones buffered until it is
+    done; `tokens` counts the finished outputs' tokens."""
+
+    def __init__(self, n: int) -> None:
+        self.texts = [""] * n
+        self.done = [False] * n
+        self.cursor = 0
+        self.printed = 0  # characters of texts[cursor] already written
+        self.labelled = False  # texts[cursor]'s "[i] " is written
+        self.tokens = 0
+
+    def update(self, i: int, text: str, finished_tokens: int | None) -> None:
+        self.texts[i] = text
+        if finished_tokens is not None:
+            self.done[i] = True
+            self.tokens += finished_tokens
+        if i == self.cursor:
+            self._flush()
+
+    def _flush(self) -> None:
+        n = len(self.texts)
+        while self.cursor < n:
+            i = self.cursor
+            if not self.labelled and n > 1:
+                sys.stdout.write(f"[{i}] ")
+                self.labelled = True
+            sys.stdout.write(self.texts[i][self.printed :])
+            self.printed = len(self.texts[i])
+            if not self.done[i]:
+                break
+            sys.stdout.write("\n")
+            self.cursor, self.printed, self.labelled = i + 1, 0, False
+        sys.stdout.flush()
 
 
 async def _cancel_on_sigterm(coro: Coroutine[Any, Any, _T]) -> _T:

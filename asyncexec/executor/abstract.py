@@ -120,12 +120,15 @@ class Executor(abc.ABC):
         `timeout` defaults to `config.rpc_timeout_s`; on expiry `ExecutorTimeoutError` names the ranks
         that did not reply and the executor stays usable.
         """
-        return await self._call(method, tuple(args), dict(kwargs or {}), timeout, Any)
+        self._check_usable()
+        timeout = self.config.rpc_timeout_s if timeout is None else timeout
+        return await self._collective_rpc(method, tuple(args), dict(kwargs or {}), timeout, Any)
 
     async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; ranks sample identically, so rank 0's output is returned."""
-        outputs: list[ModelRunnerOutput] = await self._call(
-            "execute_model", (scheduler_output,), {}, None, ModelRunnerOutput
+        self._check_usable()
+        outputs: list[ModelRunnerOutput] = await self._collective_rpc(
+            "execute_model", (scheduler_output,), {}, self.config.rpc_timeout_s, ModelRunnerOutput
         )
         if self.config.check_rank_agreement:
             for rank, out in enumerate(outputs[1:], start=1):
@@ -165,19 +168,6 @@ class Executor(abc.ABC):
         await self.shutdown()
 
     # ----- for subclasses ---------------------------------------------------------------------------
-
-    async def _call(
-        self,
-        method: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        timeout: float | None,
-        result_type: Any,
-    ) -> list[Any]:
-        self._check_usable()
-        return await self._collective_rpc(
-            method, args, kwargs, self.config.rpc_timeout_s if timeout is None else timeout, result_type
-        )
 
     def _check_usable(self) -> None:
         if self._failure is not None:

@@ -7,7 +7,7 @@ call when every rank has answered.
 Liveness: every worker's pidfd is watched by the loop (`add_reader`); readable means the process exited,
 confirmed with `poll()` before acting, since only an exit code proves a death. A death fails every
 pending call with `WorkerDiedError` at once, marks the executor failed, terminates the other ranks and
-tells the owner (`on_failure`), which may shut the executor down at once (see `asyncexec.supervisor`).
+tells the owner (`on_failure`), which may shut the executor down at once (see `asyncexec.engine.supervisor`).
 Each worker also watches us through its stdin (see `asyncexec.worker.proc`).
 
 Shutdown: `Shutdown` message -> SIGTERM after `SHUTDOWN_GRACE_S` -> SIGKILL after `TERM_GRACE_S`; then the
@@ -19,7 +19,6 @@ with its dead peer (a gloo wait in C++), where neither a message nor SIGTERM's P
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import socket
@@ -27,20 +26,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from asyncexec.errors import (
     ExecutorClosedError,
-    ExecutorTimeoutError,
     ProtocolError,
     WorkerDiedError,
-    WorkerFailedError,
     WorkerStartupError,
 )
-from asyncexec.executor.abstract import FAIL_FAST_METHODS, Executor
+from asyncexec.executor.abstract import Executor
+from asyncexec.executor.pending_calls import PendingCalls, Reply
 from asyncexec.executor.spares import SpareWorkers, popen_worker
 from asyncexec.ipc.channel import ExecutorChannel, sweep_stale_socket_dirs
 from asyncexec.ipc.codec import Decoder, Encoder
@@ -64,17 +61,7 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 2.0
 TERM_GRACE_S = 3.0
 FAILED_GRACE_S = 0.5
-_Reply = tuple[Any, RemoteError | None]
 SHUTDOWN_FRAME = msgspec.msgpack.encode(Shutdown())
-
-
-@dataclass
-class _Call:
-    method: str
-    result_type: Any
-    future: asyncio.Future[list[_Reply]]
-    replies: list[_Reply | None]
-    remaining: set[int] = field(default_factory=set)
 
 
 class MultiProcExecutor(Executor):
@@ -96,8 +83,7 @@ class MultiProcExecutor(Executor):
         for path in sweep_stale_socket_dirs():
             logger.info("removed stale socket directory %s", path)
         self._loop = asyncio.get_running_loop()
-        self._ids = itertools.count()
-        self._pending: dict[int, _Call] = {}
+        self._calls = PendingCalls(self._loop, self.world_size)
         self._procs = []
         self._pidfds: list[int] = []
         self._worker_pids: list[int] = []
@@ -172,10 +158,7 @@ class MultiProcExecutor(Executor):
         first = self._failure is None
         if first:
             self._failure = exc
-        for call in self._pending.values():
-            if not call.future.done():
-                call.future.set_exception(exc)
-        self._pending.clear()
+        self._calls.fail_all(exc)
         for f in self._ready:
             if not f.done():
                 f.set_exception(exc)
@@ -217,28 +200,14 @@ class MultiProcExecutor(Executor):
                 logger.warning("executor dropped an unexpected message: %r", msg)
 
     def _on_reply(self, msg: RPCReplyFrame) -> None:
-        call = self._pending.get(msg.call_id)
-        # always decode: that is what releases tensors the reply carries (a failed call's result is None,
-        # whatever type a success would have had)
-        result_type = call.result_type if call is not None and msg.error is None else Any
+        # always decode, even a late reply: that is what releases tensors the reply carries (a failed
+        # call's result is None, whatever type a success would have had)
+        result_type = self._calls.result_type(msg.call_id) if msg.error is None else Any
         try:
-            result = self._decoder.decode(msg.result, result_type)
-            reply: _Reply = (result, msg.error)
+            reply: Reply = (self._decoder.decode(msg.result, result_type), msg.error)
         except ProtocolError as e:
             reply = (None, RemoteError("ProtocolError", str(e), ""))
-        if call is None or msg.rank not in call.remaining:
-            return  # a late reply to a call that timed out or was cancelled
-        call.replies[msg.rank] = reply
-        call.remaining.discard(msg.rank)
-        if msg.error is not None and call.method in FAIL_FAST_METHODS and call.remaining:
-            del self._pending[msg.call_id]
-            err = msg.error
-            _fail_future(
-                call.future, WorkerFailedError(msg.rank, call.method, err.type, err.message, err.traceback)
-            )
-        elif not call.remaining:
-            del self._pending[msg.call_id]
-            _set(call.future, call.replies)
+        self._calls.reply(msg.call_id, msg.rank, reply)
 
     # ----- calls ------------------------------------------------------------------------------------
 
@@ -250,30 +219,22 @@ class MultiProcExecutor(Executor):
         timeout: float | None,
         result_type: Any,
     ) -> list[Any]:
-        call_id = next(self._ids)
-        frames = self._encoder.encode_frames(RPCRequest(call_id, method, args, kwargs), self.world_size)
-        call = _Call(method, result_type, self._loop.create_future(), [None] * self.world_size)
-        call.remaining.update(range(self.world_size))
-        self._pending[call_id] = call
+        call_id, future = self._calls.open(method, result_type)
         expiry = None
         if timeout is not None:
-            expiry = self._loop.call_later(timeout, self._expire, call_id, timeout)
+            expiry = self._loop.call_later(timeout, self._calls.expire, call_id, timeout)
         try:
+            frames = self._encoder.encode_frames(RPCRequest(call_id, method, args, kwargs), self.world_size)
             for rank in range(self.world_size):
                 await self._channel.send(rank, frames)
-            replies = await call.future
+            replies = await future
         finally:
-            self._pending.pop(call_id, None)
+            self._calls.close(call_id)
             if expiry is not None:
                 expiry.cancel()
             if self._arena is not None:
                 self._arena.reclaim()
         return self._gather(method, replies)
-
-    def _expire(self, call_id: int, timeout: float) -> None:
-        call = self._pending.pop(call_id, None)
-        if call is not None and not call.future.done():
-            call.future.set_exception(ExecutorTimeoutError(call.method, timeout, sorted(call.remaining)))
 
     # ----- shutdown ---------------------------------------------------------------------------------
 
@@ -307,11 +268,7 @@ class MultiProcExecutor(Executor):
             if self._terminating is None:
                 self._terminating = self._loop.create_task(self._terminate_workers())
             await self._terminating
-            for call in self._pending.values():
-                _fail_future(
-                    call.future, ExecutorClosedError("executor shut down while the call was pending")
-                )
-            self._pending.clear()
+            self._calls.fail_all(ExecutorClosedError("executor shut down while the call was pending"))
         self._release_ranks()
         for pid in getattr(self, "_worker_pids", []):
             remove_segments_of(pid)

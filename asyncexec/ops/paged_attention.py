@@ -1,6 +1,6 @@
 """`asyncexec::paged_attention_rows`: the attention of every row of a compiled mixed step, one opaque op.
 
-The layer graph of a mixed or prefill step (`worker/cpu_graph.py`) traces the KV write and then
+The layer graph of a mixed or prefill step (`worker/graphs/cpu.py`) traces the KV write and then
 calls this op, so that no batch composition reaches the graph (it would recompile for every new one). The
 op finds the step's prefill chunks and decode tables by its slot mapping's data pointer, in metadata the
 worker registers for the step's forward: its CPU kernel is the worker's (`worker/attention.py` calls

@@ -17,7 +17,7 @@ and bfloat16 caches with up to 8 query heads per KV head and a head size of 1, 2
 anything else, or a machine where it cannot build (a warning says why), or `ASYNCEXEC_PAGED_DECODE=0`
 (`asyncexec.envs`: the graph runner then does not load it), runs `decode_kernel`.
 
-In a compiled decode step (`cpu_graph.py`), `attention._graph_decode` traces the KV write into the
+In a compiled decode step (`graphs/cpu.py`), `attention._graph_decode` traces the KV write into the
 decoder layer's graph (the caches are module buffers, mutated in place) and then calls the op, or traces
 `decode_kernel` into the same graph, where inductor fuses the write, the rotary embedding and the
 attention into one kernel. Mixed steps' decode rows call `attend_decode`: the C++ kernel, or

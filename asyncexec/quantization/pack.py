@@ -43,6 +43,8 @@ import time
 import types
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -196,6 +198,57 @@ def _replace(mod: torch.nn.Linear, packed: PackedWeight) -> None:
     _install(mod)
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """How this CPU multiplies the model's dense weights: packed by oneDNN (`pack_dense`), through a
+    float32 copy (`upcast`, no GEMM of the dtype), or float32 in the plain layout (`plain`, faster)."""
+
+    pack_dense: bool
+    upcast: bool
+    plain: bool
+
+
+def _choose_layout(
+    model: torch.nn.Module, head: Any, quantization: str | None, pack_dense: bool
+) -> _Layout | None:
+    """The layout for `model`'s weights on this CPU; None where there is nothing to do."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    upcast = pack_dense and not can_pack(dtype) and dtype != torch.float32 and can_pack(torch.float32)
+    if upcast:
+        logger.info("oneDNN has no %s GEMM on this CPU: steps of more than %d rows multiply in float32 "
+                    "(a float32 copy of the weights)", dtype, INT8_MAX_ROWS)  # fmt: skip
+    elif pack_dense and not can_pack(dtype):
+        pack_dense = False  # int8 then serves every size; without int8 there is nothing to do
+        logger.info("oneDNN cannot pack %s weights on this CPU: linears stay as they are", dtype)
+        if quantization is None:
+            return None
+    plain = False
+    if pack_dense and dtype == torch.float32 and quantization is None:
+        widest = max((m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head),
+                     key=lambda w: w.numel(), default=None)  # fmt: skip
+        if widest is not None:
+            plain, said = plain_float32_is_faster(widest)
+            logger.info("float32 linears keep the %s layout on this CPU (%s, a %dx%d weight)",
+                        "plain" if plain else "oneDNN-packed", said, *widest.shape)  # fmt: skip
+    return _Layout(pack_dense, upcast, plain)
+
+
+class _PackStats(dict[str, int]):
+    """What `pack_linears` did: linears, groups, int4 weights, bytes before and after, plain layout."""
+
+    def __init__(self) -> None:
+        super().__init__(linears=0, groups=0, int4=0, bytes_before=0, bytes_after=0)
+
+    def count(self, w: torch.Tensor, p: PackedWeight, share: float = 1.0) -> None:
+        """`share`: a group member's part of the group's weights."""
+        self["bytes_before"] += w.numel() * w.element_size()
+        tensors = (p.dense, p.small, p.qweight, p.scales, p.inv_s, p.q4, p.sz)
+        self["bytes_after"] += int(
+            share * sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        )
+        self["int4"] += p.q4 is not None
+
+
 @torch.no_grad()
 def pack_linears(
     model: torch.nn.Module,
@@ -208,62 +261,15 @@ def pack_linears(
     act = input_scales or {}
     if quantization is not None and not envs.int8_gemv_enabled():
         logger.info("ASYNCEXEC_INT8_GEMV=0: int8 steps use PyTorch's _weight_int8pack_mm")
-    stats = {"linears": 0, "groups": 0, "int4": 0, "bytes_before": 0, "bytes_after": 0}
+    stats = _PackStats()
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    upcast = pack_dense and not can_pack(dtype) and dtype != torch.float32 and can_pack(torch.float32)
-    if upcast:
-        logger.info("oneDNN has no %s GEMM on this CPU: steps of more than %d rows multiply in float32 "
-                    "(a float32 copy of the weights)", dtype, INT8_MAX_ROWS)  # fmt: skip
-    elif pack_dense and not can_pack(dtype):
-        pack_dense = False  # int8 then serves every size; without int8 there is nothing to do
-        logger.info("oneDNN cannot pack %s weights on this CPU: linears stay as they are", dtype)
-        if quantization is None:
-            return stats
-
-    plain = False  # float32: the layout that multiplies faster on this CPU
-    if pack_dense and dtype == torch.float32 and quantization is None:
-        widest = max((m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head),
-                     key=lambda w: w.numel(), default=None)  # fmt: skip
-        if widest is not None:
-            plain, said = plain_float32_is_faster(widest)
-            logger.info("float32 linears keep the %s layout on this CPU (%s, a %dx%d weight)",
-                        "plain" if plain else "oneDNN-packed", said, *widest.shape)  # fmt: skip
-    stats["plain"] = int(plain)
-
-    def count(w: torch.Tensor, p: PackedWeight, share: float = 1.0) -> None:
-        """`share`: a group member's part of the group's weights."""
-        stats["bytes_before"] += w.numel() * w.element_size()
-        tensors = (p.dense, p.small, p.qweight, p.scales, p.inv_s, p.q4, p.sz)
-        stats["bytes_after"] += int(
-            share * sum(t.numel() * t.element_size() for t in tensors if t is not None)
-        )
-        stats["int4"] += p.q4 is not None
-
+    layout = _choose_layout(model, head, quantization, pack_dense)
+    if layout is None:
+        return dict(stats)
+    stats["plain"] = int(layout.plain)
     for members in _groups(model):
-        ws = [m.weight.detach() for m in members]
-        s = act.get(members[0])
-        shared = all(act.get(m) is s for m in members)  # siblings' scales come from their one input
-        group_packed = _pack(
-            torch.cat(ws), quantization, pack_dense, upcast, s if shared else None, plain=plain
-        )
-        if members[0].bias is not None:
-            group_packed.bias = torch.cat([m.bias.detach() for m in members if m.bias is not None])
-        starts = [sum(w.shape[0] for w in ws[:i]) for i in range(len(ws))]
-        group = LinearGroup(group_packed, frozenset(starts))
-        key = torch.zeros(1, dtype=ws[0].dtype)  # the group's one input to the compiled layer graph
-        REGISTRY[key.data_ptr()] = PackedWeight(group=group)
-        weakref.finalize(key, REGISTRY.pop, key.data_ptr(), None)
-        for mod, w, start in zip(members, ws, starts, strict=True):
-            _replace(mod, PackedWeight(group=group, start=start))
-            mod.register_buffer("group_key", key, persistent=False)
-            setattr(mod, "group_width", sum(w.shape[0] for w in ws))  # noqa: B010
-            setattr(mod, "group_start", start)  # noqa: B010
-            mod.forward = types.MethodType(group_forward, mod)  # type: ignore[method-assign]
-            count(w, group_packed, w.shape[0] / sum(v.shape[0] for v in ws))
-        stats["linears"] += len(members)
-        stats["groups"] += 1
+        _pack_group(members, quantization, layout, act, stats)
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if not isinstance(module, torch.nn.Linear) or not isinstance(weight, torch.nn.Parameter):
@@ -271,11 +277,10 @@ def pack_linears(
         w = weight.detach()
         if hasattr(w, "to_local"):  # a DTensor of transformers' tensor parallelism: this rank's shard
             w = w.to_local()
-        packed = _pack(
-            w, quantization, pack_dense, upcast, act.get(module), lm_head=module is head, plain=plain
-        )
+        packed = _pack(w, quantization, layout.pack_dense, layout.upcast, act.get(module),
+                       lm_head=module is head, plain=layout.plain)  # fmt: skip
         _replace(module, packed)
-        count(w, packed)
+        stats.count(w, packed)
         stats["linears"] += 1
     if stats["linears"] == 0 and quantization is not None:
         raise ConfigError(
@@ -284,7 +289,39 @@ def pack_linears(
     logger.info("packed %d linears, %d groups of them as one weight (quantization %s): %.1f MiB of weights "
                 "-> %.1f MiB", stats["linears"], stats["groups"], quantization, stats["bytes_before"] / 2**20,
                 stats["bytes_after"] / 2**20)  # fmt: skip
-    return stats
+    return dict(stats)
+
+
+def _pack_group(
+    members: list[torch.nn.Linear],
+    quantization: str | None,
+    layout: _Layout,
+    act: Mapping[torch.nn.Linear, torch.Tensor],
+    stats: _PackStats,
+) -> None:
+    """Sibling linears of one input (q/k/v, gate/up) as one packed weight, each member a slice of it."""
+    ws = [m.weight.detach() for m in members]
+    s = act.get(members[0])
+    shared = all(act.get(m) is s for m in members)  # siblings' scales come from their one input
+    group_packed = _pack(torch.cat(ws), quantization, layout.pack_dense, layout.upcast,
+                         s if shared else None, plain=layout.plain)  # fmt: skip
+    if members[0].bias is not None:
+        group_packed.bias = torch.cat([m.bias.detach() for m in members if m.bias is not None])
+    starts = [sum(w.shape[0] for w in ws[:i]) for i in range(len(ws))]
+    group = LinearGroup(group_packed, frozenset(starts))
+    key = torch.zeros(1, dtype=ws[0].dtype)  # the group's one input to the compiled layer graph
+    REGISTRY[key.data_ptr()] = PackedWeight(group=group)
+    weakref.finalize(key, REGISTRY.pop, key.data_ptr(), None)
+    width = sum(w.shape[0] for w in ws)
+    for mod, w, start in zip(members, ws, starts, strict=True):
+        _replace(mod, PackedWeight(group=group, start=start))
+        mod.register_buffer("group_key", key, persistent=False)
+        setattr(mod, "group_width", width)  # noqa: B010
+        setattr(mod, "group_start", start)  # noqa: B010
+        mod.forward = types.MethodType(group_forward, mod)  # type: ignore[method-assign]
+        stats.count(w, group_packed, w.shape[0] / width)
+    stats["linears"] += len(members)
+    stats["groups"] += 1
 
 
 def _install(mod: torch.nn.Linear) -> None:

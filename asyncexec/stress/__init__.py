@@ -224,7 +224,7 @@ def run_stress(
         raise ConfigError(f"--kill-worker-every must be > 0, got {ns.kill_worker_every}")
     with tempfile.TemporaryDirectory(prefix="asyncexec-stress-") as tmp:
         if getattr(ns, "model", None) is None:
-            from asyncexec.models import make_tiny_model
+            from asyncexec.testing import make_tiny_model
 
             ns.model = str(make_tiny_model(Path(tmp) / ns.arch, ns.arch))
         config = stress_config(ns)

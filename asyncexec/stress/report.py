@@ -20,13 +20,12 @@ def _pct(xs: list[float], q: int) -> float | None:
 
 def build_report(ns: argparse.Namespace, config: EngineConfig, result: StressResult) -> dict[str, Any]:
     """The report as JSON-ready data; `passed` is False and `failures` says why if an invariant broke."""
-    run, timeline, stats, unfinished = result.run, result.timeline, result.stats, result.unfinished
+    run, timeline, stats = result.run, result.timeline, result.stats
     resources: dict[str, Any] = {
         "rss_mib": result.rss_mib,
         "fds": result.fds,
         "shm_segments": result.shm_segments,
     }
-    elapsed = result.elapsed
     outcomes = {
         k: sum(r.outcome == k for r in run.records)
         for k in ("finished", "aborted", "rejected", "errored", "accepted-bad")
@@ -39,6 +38,40 @@ def build_report(ns: argparse.Namespace, config: EngineConfig, result: StressRes
     ]
     lat = [r.end - r.start for r in ok if r.end is not None]
     ttft = [r.first_token - r.start for r in ok if r.first_token is not None]
+    failures = _request_failures(result, outcomes, lost) + _resource_failures(ns, resources)
+    return {
+        "passed": not failures,
+        "failures": failures,
+        "config": {
+            "executor": config.executor_kind,
+            "tensor_parallel_size": config.world_size,
+            "concurrency": ns.concurrency,
+            "kill_worker_every": ns.kill_worker_every,
+            "restart_on_worker_failure": config.restart_on_worker_failure,
+        },
+        "duration_s": round(result.elapsed, 1),
+        "requests": dict(total=len(run.records), lost=lost, **outcomes),
+        "kinds": {k: sum(r.kind == k for r in run.records) for k in KINDS},
+        "greedy_check": run.greedy_skip or "on (float32)",
+        "greedy_checks": run.greedy_checked,
+        "greedy_mismatches": len(run.mismatches),
+        "kills": run.kills,
+        "restarts": int(stats["num_restarts"]),
+        "restart_s": result.restart_s,
+        "preemptions": int(stats["num_preemptions"]),
+        "tokens": run.tokens,
+        "tokens_per_s": round(sum(timeline) / max(len(timeline), 1), 1),
+        "tokens_per_s_timeline": timeline,
+        "latency_s": {"p50": _pct(lat, 50), "p99": _pct(lat, 99)},
+        "ttft_s": {"p50": _pct(ttft, 50), "p99": _pct(ttft, 99)},
+        **resources,
+    }
+
+
+def _request_failures(result: StressResult, outcomes: dict[str, int], lost: int) -> list[str]:
+    """The broken invariants of the requests: lost, errored, a bad one accepted, a greedy mismatch, and
+    a KV pool that did not return to full."""
+    run, stats, unfinished = result.run, result.stats, result.unfinished
     failures = []
     if lost:
         failures.append(f"{lost} requests were lost (never finished, aborted or errored)")
@@ -56,6 +89,12 @@ def build_report(ns: argparse.Namespace, config: EngineConfig, result: StressRes
             f"the KV pool did not return to full: {stats['num_free_blocks']:.0f} of "
             f"{stats['num_blocks']:.0f} blocks free, unfinished requests: {unfinished}"
         )
+    return failures
+
+
+def _resource_failures(ns: argparse.Namespace, resources: dict[str, Any]) -> list[str]:
+    """The broken invariants of the processes: RSS growth after warm-up, leaked fds or segments."""
+    failures = []
     rss = resources["rss_mib"]
     for name, start in rss["start"].items():
         end = rss["end"].get(name, 0.0)
@@ -66,34 +105,7 @@ def build_report(ns: argparse.Namespace, config: EngineConfig, result: StressRes
         failures.append(f"file descriptors leaked: {fds}")
     if segs["after_shutdown"] > segs["before_start"] or segs["end"] > segs["after_warmup"]:
         failures.append(f"shared-memory segments leaked: {segs}")
-    kinds = {k: sum(r.kind == k for r in run.records) for k in KINDS}
-    return {
-        "passed": not failures,
-        "failures": failures,
-        "config": {
-            "executor": config.executor_kind,
-            "tensor_parallel_size": config.world_size,
-            "concurrency": ns.concurrency,
-            "kill_worker_every": ns.kill_worker_every,
-            "restart_on_worker_failure": config.restart_on_worker_failure,
-        },
-        "duration_s": round(elapsed, 1),
-        "requests": dict(total=len(run.records), lost=lost, **outcomes),
-        "kinds": kinds,
-        "greedy_check": run.greedy_skip or "on (float32)",
-        "greedy_checks": run.greedy_checked,
-        "greedy_mismatches": len(run.mismatches),
-        "kills": run.kills,
-        "restarts": int(stats["num_restarts"]),
-        "restart_s": result.restart_s,
-        "preemptions": int(stats["num_preemptions"]),
-        "tokens": run.tokens,
-        "tokens_per_s": round(sum(timeline) / max(len(timeline), 1), 1),
-        "tokens_per_s_timeline": timeline,
-        "latency_s": {"p50": _pct(lat, 50), "p99": _pct(lat, 99)},
-        "ttft_s": {"p50": _pct(ttft, 50), "p99": _pct(ttft, 99)},
-        **resources,
-    }
+    return failures
 
 
 def print_report(report: dict[str, Any]) -> None:

@@ -90,10 +90,10 @@ def _processes(engine: AsyncEngine) -> dict[str, float]:
     return out
 
 
-async def _one(
-    engine: AsyncEngine, run: StressRun, refs: list[tuple[list[int], list[int]]], ns: argparse.Namespace
-) -> None:
-    rng = run.rng
+def _draw_request(
+    engine: AsyncEngine, rng: random.Random, refs: list[tuple[list[int], list[int]]], ns: argparse.Namespace
+) -> tuple[str, Any, SamplingParams, list[int] | None]:
+    """A random request: its kind, prompt, sampling parameters and (a reference) its expected output."""
     kind = _draw_kind(rng, ns)
     vocab = engine.model_info["vocab_size"]
     prompt: Any = [rng.randrange(vocab) for _ in range(rng.randint(1, ns.max_prompt_len))]
@@ -106,8 +106,6 @@ async def _one(
     elif shaped is not None:
         prompt = [rng.randrange(vocab) for _ in range(shaped[0])]
         sp = msgspec.structs.replace(sp, max_tokens=shaped[1])
-    rec = Record(kind, time.monotonic())
-    run.records.append(rec)
     ref: list[int] | None = None
     if kind == "reference":
         prompt, ref = rng.choice(refs)
@@ -118,6 +116,16 @@ async def _one(
         prompt = rng.choice(
             [[], [vocab + 5], [-1, 3], "x" * 0, 3.5, [0] * engine.model_info["max_model_len"]]
         )
+    return kind, prompt, sp, ref
+
+
+async def _one(
+    engine: AsyncEngine, run: StressRun, refs: list[tuple[list[int], list[int]]], ns: argparse.Namespace
+) -> None:
+    rng = run.rng
+    kind, prompt, sp, ref = _draw_request(engine, rng, refs, ns)
+    rec = Record(kind, time.monotonic())
+    run.records.append(rec)
     stop_after = rng.randint(1, max(1, sp.max_tokens - 1)) if kind == "abort" else None
 
     async def consume() -> list[int]:

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
+from asyncexec.core.request import Request, RequestStatus
 from asyncexec.errors import InvalidRequestError
 from asyncexec.messages import SchedulerOutput
-from asyncexec.request import Request, RequestStatus
 from asyncexec.sampling_params import StructuredOutputsParams
 from asyncexec.structured_output.backend_guidance import cache_key, compile_grammar, make_llg_tokenizer
 from asyncexec.structured_output.request import StructuredOutputRequest

@@ -14,11 +14,11 @@ its own keys.
 Batch layout: the first `num_decodes` rows have one query token each, sorted by length; the
 remaining rows are prefill chunks, each attended by `prefill_attention` (flash kernels, no score
 matrix). Decode rows take one of three paths:
-- `graph` (a compiled CPU decode step, `cpu_graph.py`): the KV write and `decode_kernel` are traced
+- `graph` (a compiled CPU decode step, `graphs/cpu.py`): the KV write and `decode_kernel` are traced
   into the layer graph, reading K/V in place; the caches are the attention module's buffers
   (`k_cache`, `v_cache`), so all layers share one compiled graph;
 - `inplace_decode` (graph mode on, but not a decode graph step: mixed or oversized batches): the same
-  in-place kernel. With `mixed_graph` such a step's layers are compiled too (`cpu_graph.py`): the KV
+  in-place kernel. With `mixed_graph` such a step's layers are compiled too (`graphs/cpu.py`): the KV
   write is traced and every row's attention is one opaque op, `asyncexec::paged_attention_rows`,
   which reads the step's metadata registered by `mixed_step`;
 - otherwise (`enforce_eager`, CUDA): in groups of similar length, one padded, masked SDPA per group
@@ -71,7 +71,7 @@ class AttentionMetadata:
     graph: bool = False  # a compiled decode step: the custom op, caches from the modules' buffers
     mixed_graph: bool = False  # a compiled mixed or prefill step: the layers compiled, attention one op
     inplace_decode: bool = False  # decode rows through the compiled in-place kernel
-    layer_code: Any = None  # graph: the compiled layer's code to call without dynamo's guards (cpu_graph)
+    layer_code: Any = None  # graph: the compiled layer's code to call without dynamo's guards (graphs/cpu.py)
     seen: dict[int, tuple[int, int, torch.dtype]] = field(default_factory=dict)
     modules: dict[int, torch.nn.Module] = field(default_factory=dict)  # each layer's attention module
     calls: int = 0

@@ -73,6 +73,14 @@ class InputBatch:
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int64)
         self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int64)
         self.logits_indices = torch.zeros(max_num_seqs, dtype=torch.int64)
+        # numpy views of the buffers, written row by row in `prepare`
+        self._ids, self._pos, self._slots = (
+            self.input_ids.numpy(),
+            self.positions.numpy(),
+            self.slot_mapping.numpy(),
+        )
+        self._tables, self._seq_lens = self.block_tables.numpy(), self.seq_lens.numpy()
+        self._logits_idx = self.logits_indices.numpy()
 
     def update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
@@ -104,63 +112,26 @@ class InputBatch:
 
     def prepare(self, so: SchedulerOutput) -> PreparedBatch:
         sched = so.num_scheduled_tokens
-        if len(sched) > self.max_num_seqs or so.total_num_scheduled_tokens > self.max_num_tokens:
-            raise ProtocolError(
-                f"step schedules {len(sched)} requests / {so.total_num_scheduled_tokens} tokens, over "
-                f"max_num_seqs={self.max_num_seqs} / max_num_batched_tokens={self.max_num_tokens}"
-            )
-        reqs = self.requests
-        decodes = [r for r, n in sched.items() if n == 1]
-        decodes.sort(key=lambda r: reqs[r].num_computed_tokens if r in reqs else 0)
-        order = decodes + [r for r, n in sched.items() if n > 1]
-        ids, pos, slots = self.input_ids.numpy(), self.positions.numpy(), self.slot_mapping.numpy()
-        tables, seq_lens, logits_idx = (
-            self.block_tables.numpy(),
-            self.seq_lens.numpy(),
-            self.logits_indices.numpy(),
-        )
-        bs = self.block_size
-        t = 0
+        order = self._order(so)
         num_decodes = sum(1 for n in sched.values() if n == 1)
-        max_blocks = 1
+        t, max_blocks = 0, 1
         prefills: list[tuple[int, int, int]] = []
         prefill_blocks: list[torch.Tensor] = []
         sample_rows: list[int] = []
         for row, rid in enumerate(order):
-            st = self.requests.get(rid)
-            if st is None:
-                raise ProtocolError(f"request {rid!r} is scheduled but unknown to this worker")
-            c, n = st.num_computed_tokens, sched[rid]
-            end = c + n
-            need = -(-end // bs)
-            if end > len(st.token_ids) or need > len(st.block_ids) or need > self.max_blocks_per_seq:
-                raise ProtocolError(
-                    f"request {rid!r}: {n} tokens scheduled after {c} computed, but it has "
-                    f"{len(st.token_ids)} tokens and {len(st.block_ids)} blocks of {bs}"
-                )
-            ids[t : t + n] = st.token_ids[c:end]
+            n = sched[rid]
+            st = self._scheduled_state(rid, n)
+            end = st.num_computed_tokens + n
+            self._ids[t : t + n] = st.token_ids[st.num_computed_tokens : end]
             if n == 1:
-                pos[t] = c
-                slots[t] = st.block_ids[c // bs] * bs + c % bs
-                tables[row, :need] = st.block_ids[:need]
-                seq_lens[row] = end
-                max_blocks = max(max_blocks, need)
+                max_blocks = max(max_blocks, self._write_decode(row, t, st))
             else:
-                p = np.arange(c, end)
-                pos[t : t + n] = p
-                slots[t : t + n] = np.asarray(st.block_ids[:need], dtype=np.int64)[p // bs] * bs + p % bs
                 prefills.append((t, n, end))
-                prefill_blocks.append(torch.tensor(st.block_ids[:need], dtype=torch.int64))
+                prefill_blocks.append(self._write_prefill(t, n, st))
             if end == len(st.token_ids):
-                logits_idx[len(sample_rows)] = t + n - 1
+                self._logits_idx[len(sample_rows)] = t + n - 1
                 sample_rows.append(row)
             t += n
-        for row in range(num_decodes):  # padded table entries point at block 0; they are masked
-            tables[row, -(-int(seq_lens[row]) // bs) : max_blocks] = 0
-        groups = []
-        for s in range(0, num_decodes, DECODE_GROUP):
-            e = min(s + DECODE_GROUP, num_decodes)
-            groups.append((s, e, -(-int(seq_lens[e - 1]) // bs)))  # rows are sorted: the last is longest
         return PreparedBatch(
             order,
             t,
@@ -174,8 +145,66 @@ class InputBatch:
             prefill_blocks,
             self.logits_indices[: len(sample_rows)],
             sample_rows,
-            groups,
+            self._decode_groups(num_decodes, max_blocks),
         )
+
+    def _order(self, so: SchedulerOutput) -> list[str]:
+        """The step's rows: decode rows (one token) first, shortest first, then prefill chunks."""
+        sched = so.num_scheduled_tokens
+        if len(sched) > self.max_num_seqs or so.total_num_scheduled_tokens > self.max_num_tokens:
+            raise ProtocolError(
+                f"step schedules {len(sched)} requests / {so.total_num_scheduled_tokens} tokens, over "
+                f"max_num_seqs={self.max_num_seqs} / max_num_batched_tokens={self.max_num_tokens}"
+            )
+        reqs = self.requests
+        decodes = [r for r, n in sched.items() if n == 1]
+        decodes.sort(key=lambda r: reqs[r].num_computed_tokens if r in reqs else 0)
+        return decodes + [r for r, n in sched.items() if n > 1]
+
+    def _scheduled_state(self, rid: str, n: int) -> CachedRequestState:
+        """The state of a request scheduled for `n` tokens, which must have those tokens and blocks."""
+        st = self.requests.get(rid)
+        if st is None:
+            raise ProtocolError(f"request {rid!r} is scheduled but unknown to this worker")
+        c, bs = st.num_computed_tokens, self.block_size
+        need = -(-(c + n) // bs)
+        if c + n > len(st.token_ids) or need > len(st.block_ids) or need > self.max_blocks_per_seq:
+            raise ProtocolError(
+                f"request {rid!r}: {n} tokens scheduled after {c} computed, but it has "
+                f"{len(st.token_ids)} tokens and {len(st.block_ids)} blocks of {bs}"
+            )
+        return st
+
+    def _write_decode(self, row: int, t: int, st: CachedRequestState) -> int:
+        """A decode row's position, slot, block table and length; returns the blocks it needs."""
+        c, bs = st.num_computed_tokens, self.block_size
+        need = -(-(c + 1) // bs)
+        self._pos[t] = c
+        self._slots[t] = st.block_ids[c // bs] * bs + c % bs
+        self._tables[row, :need] = st.block_ids[:need]
+        self._seq_lens[row] = c + 1
+        return need
+
+    def _write_prefill(self, t: int, n: int, st: CachedRequestState) -> torch.Tensor:
+        """A prefill chunk's positions and slots; returns the blocks it attends to."""
+        c, bs = st.num_computed_tokens, self.block_size
+        need = -(-(c + n) // bs)
+        p = np.arange(c, c + n)
+        self._pos[t : t + n] = p
+        self._slots[t : t + n] = np.asarray(st.block_ids[:need], dtype=np.int64)[p // bs] * bs + p % bs
+        return torch.tensor(st.block_ids[:need], dtype=torch.int64)
+
+    def _decode_groups(self, num_decodes: int, max_blocks: int) -> list[tuple[int, int, int]]:
+        """Pad the decode rows' tables to `max_blocks` with block 0 (masked), and group the rows by
+        DECODE_GROUP: (first row, end row, blocks the group's longest row needs)."""
+        bs, seq_lens = self.block_size, self._seq_lens
+        for row in range(num_decodes):
+            self._tables[row, -(-int(seq_lens[row]) // bs) : max_blocks] = NULL_BLOCK
+        groups = []
+        for s in range(0, num_decodes, DECODE_GROUP):
+            e = min(s + DECODE_GROUP, num_decodes)
+            groups.append((s, e, -(-int(seq_lens[e - 1]) // bs)))  # rows are sorted: the last is longest
+        return groups
 
     def append_sampled(self, req_ids: list[str], tokens: list[int]) -> None:
         for rid, tok in zip(req_ids, tokens, strict=True):

@@ -1,5 +1,6 @@
-"""What a model folder must satisfy before its weights load: a known context length, and a tensor-parallel
-split that divides every dimension it cuts."""
+"""What a model folder must satisfy before its weights load: an implementation that calls transformers'
+attention interface, a known context length, and a tensor-parallel split that divides every dimension
+it cuts."""
 
 from __future__ import annotations
 
@@ -7,7 +8,27 @@ from typing import Any
 
 from asyncexec.errors import ConfigError
 
-__all__ = ["SPLIT_DIMS", "check_tensor_parallel", "model_max_len"]
+__all__ = ["SPLIT_DIMS", "check_architecture", "check_tensor_parallel", "model_max_len"]
+
+
+def check_architecture(hf_config: Any, world_size: int) -> str:
+    """The model's architecture name, once it is known to run here over `world_size` ranks."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    arch: str = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
+    if model_cls is None or not getattr(model_cls, "_supports_attention_backend", False):
+        raise ConfigError(
+            f"{arch} cannot run on asyncexec: its transformers implementation does not call the "
+            "attention interface, so the paged KV cache cannot be plugged in"
+        )
+    if world_size > 1 and not getattr(hf_config, "base_model_tp_plan", None):
+        raise ConfigError(
+            f"{arch} cannot be split over {world_size} ranks: transformers has no tensor-parallel "
+            "plan for it (base_model_tp_plan is empty); use tensor_parallel_size=1"
+        )
+    check_tensor_parallel(arch, hf_config, world_size)
+    return arch
 
 
 def model_max_len(hf_config: Any) -> int:

@@ -26,7 +26,7 @@ from asyncexec.quantization.int8 import activation_scales
 from asyncexec.quantization.pack import check_quantization, pack_linears
 from asyncexec.worker.attention import MIXED_MIN_TOKENS, AttentionMetadata, mixed_step, register_attention
 from asyncexec.worker.input_batch import NULL_BLOCK, InputBatch, PreparedBatch
-from asyncexec.worker.model_checks import check_tensor_parallel, model_max_len
+from asyncexec.worker.model_checks import check_architecture, model_max_len
 from asyncexec.worker.prompt_logprobs import PromptLogprobsRows
 from asyncexec.worker.sampler import Sampler
 
@@ -40,8 +40,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, device: torch.device, world_size: int) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, world_size: int, rank: int = 0) -> None:
         self.config = config
+        self.rank = rank
         self.device = device
         self.world_size = world_size
         self.model: Any = None
@@ -49,6 +50,7 @@ class ModelRunner:
         self.kv_spec: dict[int, tuple[int, int, torch.dtype]] = {}
         self.sampler = Sampler(config.seed)
         self.graphs: Any = None  # a CUDAGraphRunner or CPUGraphRunner once captured
+        self.compiled_layers: Any = None  # CPU graph mode: the decoder layers' graphs (`_patch_model`)
         self.inplace_decode = False  # eager decode rows use the compiled in-place kernel (CPU graph mode)
         self.attention_modules: dict[int, torch.nn.Module] = {}
         self.stats = {
@@ -65,26 +67,13 @@ class ModelRunner:
 
     def load_model(self) -> None:
         import transformers
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
         path = self.config.model
         assert path is not None
         if not os.path.isdir(path):
             raise ConfigError(f"model folder {path!r} does not exist (asyncexec loads local folders only)")
         hf_config = transformers.AutoConfig.from_pretrained(path)
-        arch = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
-        model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
-        if model_cls is None or not getattr(model_cls, "_supports_attention_backend", False):
-            raise ConfigError(
-                f"{arch} cannot run on asyncexec: its transformers implementation does not call the "
-                "attention interface, so the paged KV cache cannot be plugged in"
-            )
-        if self.world_size > 1 and not getattr(hf_config, "base_model_tp_plan", None):
-            raise ConfigError(
-                f"{arch} cannot be split over {self.world_size} ranks: transformers has no tensor-parallel "
-                "plan for it (base_model_tp_plan is empty); use tensor_parallel_size=1"
-            )
-        check_tensor_parallel(arch, hf_config, self.world_size)
+        arch = check_architecture(hf_config, self.world_size)
         self.hf_config = hf_config
         self.arch = arch
         self.max_model_len = self.config.max_model_len or model_max_len(hf_config)
@@ -94,7 +83,7 @@ class ModelRunner:
             )
         self.dtype = self._dtype(hf_config)
         check_quantization(self.config.quantization, self.device, self.dtype)
-        kwargs: dict[str, Any] = {"dtype": self.dtype, "attn_implementation": register_attention()}
+        kwargs: dict[str, Any] = {"dtype": self.dtype}
         if self.world_size > 1:  # transformers' own tensor parallelism: its tp plan, our process group
             try:
                 from transformers.distributed import DistributedConfig
@@ -106,9 +95,7 @@ class ModelRunner:
         if self.world_size == 1:
             self.model.to(self.device)
         self.model.eval()
-        if self.device.type == "cpu" and (self.config.quantization or not self.config.enforce_eager):
-            # after tensor-parallel sharding: each rank packs (and quantizes) its own shard
-            pack_linears(self.model, self.config.quantization, input_scales=self._int8_scales(path))
+        self._patch_model(path)
         bs = self.config.block_size
         self.input_batch = InputBatch(
             self.config.max_num_batched_tokens,
@@ -116,6 +103,41 @@ class ModelRunner:
             math.ceil(self.max_model_len / bs),
             bs,
         )
+
+    def _patch_model(self, path: str) -> None:
+        """Every change asyncexec makes to the transformers model it loaded, here and in this order:
+        1. attention: every layer calls `attention.paged_attention` (registered with transformers'
+           `AttentionInterface`), which reads and writes the paged KV cache;
+        2. linears (CPU, quantized or graph mode): each `nn.Linear`'s forward runs the prepacked (or
+           int8/int4) weights through `asyncexec::packed_linear`; after tensor-parallel sharding, so
+           each rank packs its own shard;
+        3. decoder layers (CPU graph mode): each layer's forward picks its compiled graph
+           (`graphs.cpu.CompiledLayers.dispatch`) or eager, by the step's attention metadata."""
+        self.model.set_attn_implementation(register_attention())
+        cpu = self.device.type == "cpu"
+        if cpu and (self.config.quantization or not self.config.enforce_eager):
+            pack_linears(self.model, self.config.quantization, input_scales=self._int8_scales(path))
+        if cpu and self._cpu_graph_mode():
+            from asyncexec.worker.graphs.cpu import CompiledLayers, decoder_layers
+
+            self.compiled_layers = CompiledLayers()
+            for layer in decoder_layers(self.model, self.hf_config.get_text_config().num_hidden_layers):
+                layer.forward = self.compiled_layers.dispatch(layer)
+
+    def _cpu_graph_mode(self) -> bool:
+        """Graph mode on CPU compiles C++: without a working compiler, eager serves (rank 0 says why)."""
+        if self.config.enforce_eager:
+            return False
+        from asyncexec.ops.build import compiler_missing
+
+        missing = compiler_missing()
+        if missing is not None and self.rank == 0:
+            logger.warning(
+                "graph mode needs a C++ compiler and none works here (%s); running eager, slower: "
+                "install g++ (or point CXX at a compiler), or pass enforce_eager=True to say so",
+                missing,
+            )
+        return missing is None
 
     def _int8_scales(self, path: str) -> dict[torch.nn.Linear, torch.Tensor] | None:
         """int8's activation-aware scales (one calibration forward); plain int8 under tensor parallelism,
@@ -188,32 +210,23 @@ class ModelRunner:
     # ----- graphs ---------------------------------------------------------------------------------
 
     def capture_model(self, progress: bool = True) -> None:
-        """Graph mode, unless `enforce_eager`: CUDA graphs on CUDA; on CPU, compiled decoder layers (and
-        the in-place decode kernel for eager steps' decode rows), where a C++ compiler works."""
+        """Graph mode, unless `enforce_eager`: CUDA graphs on CUDA; on CPU, the decoder layers compiled at
+        load (`_patch_model`), run once per capture size, and the in-place decode kernel for eager
+        steps' decode rows."""
         if self.config.enforce_eager:
             return
         sizes = self.config.capture_sizes
         if self.device.type == "cuda":
-            from asyncexec.worker.cuda_graph import CUDAGraphRunner
+            from asyncexec.worker.graphs.cuda import CUDAGraphRunner
 
             self.graphs = CUDAGraphRunner(self.model, self.kv_caches, self.input_batch, sizes).capture()
-        elif self.device.type == "cpu":
-            from asyncexec.ops.build import compiler_missing
-            from asyncexec.worker.cpu_graph import CPUGraphRunner
+        elif self.compiled_layers is not None:
+            from asyncexec.worker.graphs.cpu import CPUGraphRunner
 
-            missing = compiler_missing()
-            if missing is not None:  # graph mode compiles C++: without a compiler, eager serves
-                if progress:  # rank 0 says it
-                    logger.warning(
-                        "graph mode needs a C++ compiler and none works here (%s); running eager, "
-                        "slower: install g++ (or point CXX at a compiler), or pass enforce_eager=True "
-                        "to say so",
-                        missing,
-                    )
-                return
             self.graphs = CPUGraphRunner(
-                self.model, self.kv_caches, self.attention_modules, self.input_batch, sizes
-            ).capture(progress)
+                self.model, self.kv_caches, self.attention_modules, self.input_batch, sizes,
+                self.compiled_layers,
+            ).capture(progress)  # fmt: skip
             self.inplace_decode = True
 
     # ----- the step -------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ __all__ = ["GPUWorker", "MethodSpec", "Worker", "build_worker", "lookup_method"]
 
 logger = logging.getLogger(__name__)
 
+# Served straight from the `ModelRunner` where no worker_extension overrides them (`lookup_method`).
+SERVED_BY_RUNNER = frozenset({"execute_model"})
 # On CPU without `kv_cache_memory_bytes`: this share of MemAvailable, at most CPU_KV_CACHE_MAX_BYTES.
 CPU_KV_CACHE_FRACTION = 0.25
 CPU_KV_CACHE_MAX_BYTES = 4 << 30
@@ -88,7 +90,7 @@ class Worker:
         random.seed(self.config.seed)
         np.random.seed(self.config.seed)
         torch.manual_seed(self.config.seed)
-        self.model_runner = ModelRunner(self.config, self.device, self.world_size)
+        self.model_runner = ModelRunner(self.config, self.device, self.world_size, self.rank)
 
     def load_model(self) -> None:
         if self.rank != 0:
@@ -139,6 +141,8 @@ class Worker:
         self._runner("compile_or_warm_up_model").capture_model(progress=self.rank == 0)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step. The executor's calls reach `ModelRunner.execute_model` directly (`lookup_method`),
+        unless a `worker_extension` overrides this method (which may call it through `super()`)."""
         return self._runner("execute_model").execute_model(scheduler_output)
 
     def get_runner_stats(self) -> dict[str, float]:
@@ -249,8 +253,11 @@ def lookup_method(worker: Worker, name: str) -> MethodSpec:
         )
         raise AttributeError(f"worker has no public method {name!r}; it serves {served}")
     fn = getattr(worker, name)
+    runner = worker.model_runner if worker.config.model is not None else None
+    if name in SERVED_BY_RUNNER and attr is getattr(Worker, name) and runner is not None:
+        fn = getattr(runner, name)  # the worker's own method would only pass the call on
     try:
-        hints = typing.get_type_hints(attr)
+        hints = typing.get_type_hints(fn)
     except Exception:  # unresolvable annotations: decode those arguments untyped
         hints = {}
     positional: list[Any] = []

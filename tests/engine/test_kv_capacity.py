@@ -26,7 +26,7 @@ def small_cache(model: Path) -> EngineConfig:
 async def test_a_request_the_cache_cannot_hold_is_refused_and_the_rest_are_served(
     tiny_models: dict[str, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="asyncexec.supervisor")
+    caplog.set_level(logging.WARNING, logger="asyncexec.engine.supervisor")
     async with AsyncEngine(small_cache(tiny_models["llama"])) as engine:
         holds = (engine.num_blocks - 1) * 4
         assert holds + 1 < 512 and engine.max_seq_len == holds + 1

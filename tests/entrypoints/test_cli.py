@@ -40,6 +40,21 @@ async def test_make_model_then_generate_streams_the_engine_output(tmp_path: Path
     assert gen.stdout == "".join(f"[{i}] {r.text}\n" for i, r in enumerate(refs))
 
 
+def test_generate_labels_each_prompt_once_even_when_its_first_outputs_are_empty(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from asyncexec.entrypoints.cli import _InOrder
+
+    printer = _InOrder(2)
+    printer.update(1, "later", 3)  # buffered until prompt 0 is done
+    printer.update(0, "", None)  # a partial UTF-8 character: no text yet
+    printer.update(0, "", None)
+    printer.update(0, "ab", None)
+    printer.update(0, "abc", 4)
+    assert capsys.readouterr().out == "[0] abc\n[1] later\n"
+    assert printer.tokens == 7
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [

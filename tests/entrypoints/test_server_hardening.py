@@ -17,13 +17,13 @@ from starlette.requests import Request
 from starlette.types import Message
 
 from asyncexec import SamplingParams
+from asyncexec.engine.processor import load_tokenizer
 from asyncexec.entrypoints import prompts
 from asyncexec.entrypoints.api_server import build_app
 from asyncexec.entrypoints.cli import build_parser
 from asyncexec.entrypoints.prompts import encode_chat, encode_text, text_pieces
 from asyncexec.entrypoints.protocol import HTTPError, read_body
 from asyncexec.errors import InvalidRequestError
-from asyncexec.processor import load_tokenizer
 from tests.engine.test_engine import collect, engine_config
 from tests.entrypoints.server import ServerProcess
 from tests.entrypoints.test_cli import cli

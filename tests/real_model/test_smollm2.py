@@ -13,7 +13,7 @@ from starlette.applications import Starlette
 
 from asyncexec import AsyncEngine, EngineConfig, SamplingParams, WorkerStartupError
 from asyncexec.config import ExecutorKind
-from asyncexec.detokenizer import IncrementalDetokenizer
+from asyncexec.engine.detokenizer import IncrementalDetokenizer
 from asyncexec.entrypoints.api_server import OpenAIServing
 from tests.real_model.conftest import hf_greedy_ids
 

@@ -1,8 +1,9 @@
-"""Drives an executor's workers with the engine's own `Scheduler` (no engine, no tokenizer), so the worker
-tests see the `SchedulerOutput`s that production sends: new requests in full, cached ones as deltas,
-chunked prefill, steps that mix prefill and decode, and preemption with recompute when blocks run out.
-Requests can arrive late; each stops at its `max_tokens` (EOS is ignored, so that the schedule does not
-depend on the sampled tokens), and the driver counts what happened so a test can assert it did.
+"""Drives an executor's workers with the engine's own step (`EngineCore`: the `Scheduler`, no
+tokenizer), so the worker tests see the `SchedulerOutput`s that production sends: new requests in full,
+cached ones as deltas, chunked prefill, steps that mix prefill and decode, and preemption with
+recompute when blocks run out. Requests can arrive late; each stops at its `max_tokens` (EOS is
+ignored, so that the schedule does not depend on the sampled tokens), and the driver counts what
+happened so a test can assert it did.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from asyncexec import Executor, SamplingParams, SchedulerOutput
-from asyncexec.scheduler import Request, Scheduler
+from asyncexec.core.scheduler import Request, Scheduler
+from asyncexec.engine.core import EngineCore
 
 
 @dataclass
@@ -49,6 +51,7 @@ class Driver:
     async def run(self, max_steps: int = 10_000) -> dict[str, list[int]]:
         info = (await self.ex.collective_rpc("get_model_info"))[0]
         sched = Scheduler(self.config, self.num_blocks, info["max_model_len"], info["eos_token_ids"])
+        core = EngineCore(sched)
         pending = sorted(self.reqs, key=lambda r: r.arrive)
         step = 0
         while pending or sched.has_work():
@@ -59,17 +62,17 @@ class Driver:
                 sched.add_request(Request(r.req_id, list(r.prompt), sp))
             step += 1
             if sched.has_work():
-                await self._step(sched)
+                await self._step(core)
         self.num_preemptions = sched.num_preemptions
         return {r.req_id: r.out for r in self.reqs}
 
-    async def _step(self, sched: Scheduler) -> None:
-        so = sched.schedule()
-        self._count(sched, so)
-        out = await self.ex.execute_model(so)
-        progressed, failed = sched.update_from_output(so, out)
+    async def _step(self, core: EngineCore) -> None:
+        step = await core.schedule_and_run(self.ex)
+        assert step.error is None and step.output is not None, step.error
+        self._count(core.scheduler, step.scheduler_output)
+        progressed, failed = core.update(step)
         assert not failed, failed
-        self.chunked += sum(1 for toks in out.sampled_token_ids if not toks)
+        self.chunked += sum(1 for toks in step.output.sampled_token_ids if not toks)
         by_id = {r.req_id: r for r in self.reqs}
         for req, _ in progressed:
             by_id[req.request_id].out = list(req.output_token_ids)

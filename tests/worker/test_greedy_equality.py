@@ -135,7 +135,7 @@ async def test_layers_that_compile_differently_keep_dynamos_guards_and_equal_hf_
     """Qwen2 with a sliding window on some layers only: those layers' graphs differ from the others', so
     no step may call one compiled entry for every layer without dynamo's guards (the window would apply
     to the wrong layers, and contexts past it would diverge from HF)."""
-    from asyncexec.models import make_tiny_model
+    from asyncexec.testing import make_tiny_model
 
     model = make_tiny_model(
         tmp_path / "qwen2-mixed", "qwen2", use_sliding_window=True, sliding_window=6, max_window_layers=1

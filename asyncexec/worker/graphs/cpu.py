@@ -8,7 +8,7 @@ in place. One layer compiles in seconds where the whole 30-layer model took minu
 Embedding, rotary tables, final norm and lm_head stay eager: one call each, and the lm_head runs only
 on the rows that sample.
 
-Shapes: a batch is padded to the capture sizes exactly as the CUDA path pads (`cuda_graph.py`): padded
+Shapes: a batch is padded to the capture sizes exactly as the CUDA path pads (`graphs/cuda.py`): padded
 rows write to the null block and attend to one token there. The layer graph is compiled with dynamic
 shapes (the token dimension only), so one compile serves every size but 1, which dynamo specializes
 and compiles once more. Start-up
@@ -70,7 +70,7 @@ from asyncexec.worker.input_batch import NULL_BLOCK
 if TYPE_CHECKING:
     from asyncexec.worker.input_batch import InputBatch, PreparedBatch
 
-__all__ = ["CPUGraphRunner", "decoder_layers"]
+__all__ = ["CPUGraphRunner", "CompiledLayers", "decoder_layers"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,17 +88,21 @@ def _on_bytecode(code: types.CodeType, new_code: types.CodeType) -> types.CodeTy
 torch._dynamo.convert_frame.register_bytecode_hook(_on_bytecode)
 
 
-def decoder_layers(model: torch.nn.Module, attention_modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The model's stack of decoder layers: the ModuleList whose every entry holds one attention module."""
-    wanted = {id(m) for m in attention_modules}
-    for mod in model.modules():
-        if not isinstance(mod, torch.nn.ModuleList) or len(mod) != len(wanted):
-            continue
-        if all(sum(id(m) in wanted for m in layer.modules()) == 1 for layer in mod):
-            return list(mod)
-    raise ConfigError(
-        f"{type(model).__name__}: cannot find its decoder layers to compile; use enforce_eager=True"
-    )
+def decoder_layers(model: torch.nn.Module, num_layers: int) -> list[torch.nn.Module]:
+    """The model's stack of decoder layers: the one ModuleList of `num_layers` entries of one class."""
+    found = [
+        list(mod)
+        for mod in model.modules()
+        if isinstance(mod, torch.nn.ModuleList)
+        and len(mod) == num_layers
+        and len({type(m) for m in mod}) == 1
+    ]
+    if len(found) != 1:
+        raise ConfigError(
+            f"{type(model).__name__}: cannot find its {num_layers} decoder layers to compile "
+            f"({len(found)} candidates); use enforce_eager=True"
+        )
+    return found[0]
 
 
 def _layer_forward(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -130,24 +134,42 @@ def _mark_mixed(args: tuple[Any, ...], kwargs: dict[str, Any], md: AttentionMeta
     mark(md.slot_mapping, 0)
 
 
-def _dispatch(
-    layer: torch.nn.Module, compiled: Callable[..., Any], compiled_mixed: Callable[..., Any]
-) -> Callable[..., Any]:
-    eager = layer.forward
+class CompiledLayers:
+    """The decoder layers' two compiled graphs: decode steps (`compiled`, guard-free where start-up proves
+    it safe) and mixed or prefill steps of 2 tokens or more (`compiled_mixed`, with dynamo's guards).
+    Compiling is lazy: the first call of a size compiles it (`CPUGraphRunner.capture`). The `ModelRunner`
+    swaps each layer's forward for `dispatch(layer)`."""
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        md = kwargs.get("attn_metadata")
-        if md is not None and md.mixed_graph:
-            _mark_mixed(args, kwargs, md)
-            return compiled_mixed(layer, *args, **kwargs)
-        if md is None or not md.graph:
-            return eager(*args, **kwargs)
-        if md.layer_code is not None:  # the compiled entry's code, no guards (see the module docstring)
-            return md.layer_code(layer, *args, **kwargs)
-        _mark_tokens(args, kwargs, md)
-        return compiled(layer, *args, **kwargs)
+    def __init__(self) -> None:
+        layer_fn = fresh_function(_layer_forward)  # a graph cache of its own
+        self.generated: list[types.CodeType] = []  # dynamo's code for layer_fn, in compile order
+        _generated[layer_fn.__code__] = self.generated
+        self.layer_fn = layer_fn
+        options: dict[str, Any] = {
+            "post_grad_custom_post_pass": DedupeGroupLinears(),
+            # round to bf16/fp16 wherever eager rounds (see the module docstring: "Numerics")
+            "emulate_precision_casts": True,
+        }
+        self.compiled = torch.compile(layer_fn, options=options)
+        self.compiled_mixed = torch.compile(fresh_function(_layer_forward), options=options)
 
-    return forward
+    def dispatch(self, layer: torch.nn.Module) -> Callable[..., Any]:
+        """`layer`'s new forward: the step's attention metadata picks its compiled graph, or eager."""
+        eager, compiled, compiled_mixed = layer.forward, self.compiled, self.compiled_mixed
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            md = kwargs.get("attn_metadata")
+            if md is not None and md.mixed_graph:
+                _mark_mixed(args, kwargs, md)
+                return compiled_mixed(layer, *args, **kwargs)
+            if md is None or not md.graph:
+                return eager(*args, **kwargs)
+            if md.layer_code is not None:  # the compiled entry's code, no guards (module docstring)
+                return md.layer_code(layer, *args, **kwargs)
+            _mark_tokens(args, kwargs, md)
+            return compiled(layer, *args, **kwargs)
+
+        return forward
 
 
 def _size_class(b: int) -> int:
@@ -165,6 +187,7 @@ class CPUGraphRunner:
         attention_modules: dict[int, torch.nn.Module],
         input_batch: InputBatch,
         sizes: list[int],
+        layers: CompiledLayers,
     ) -> None:
         max_b = max(sizes)
         rows = max(max_b, 2)  # start-up also runs 2 rows eager (`capture`)
@@ -189,26 +212,13 @@ class CPUGraphRunner:
             paged_decode.load()
         else:
             logger.info("ASYNCEXEC_PAGED_DECODE=0: decode attention runs the inductor-compiled kernel")
-        layer_fn = fresh_function(_layer_forward)  # a graph cache of its own
-        self._generated: list[types.CodeType] = []
-        _generated[layer_fn.__code__] = self._generated
-        self._layer_fn = layer_fn
+        self.layers = layers
         # per size class: the generated code to call without guards; empty where that is not safe
         self.direct: dict[int, Callable[..., Any]] = {}
-        options: dict[str, Any] = {
-            "post_grad_custom_post_pass": DedupeGroupLinears(),
-            # round to bf16/fp16 wherever eager rounds (see the module docstring: "Numerics")
-            "emulate_precision_casts": True,
-        }
-        self.compiled = torch.compile(layer_fn, options=options)
-        # mixed and prefill steps (2 tokens or more): a graph of their own, with dynamo's guards
-        self.compiled_mixed = torch.compile(fresh_function(_layer_forward), options=options)
         attention = [attention_modules[i] for i in sorted(attention_modules)]
         for module, (k, v) in zip(attention, kv_caches, strict=True):
             module.register_buffer("k_cache", k, persistent=False)
             module.register_buffer("v_cache", v, persistent=False)
-        for layer in decoder_layers(model, attention):
-            layer.forward = _dispatch(layer, self.compiled, self.compiled_mixed)
 
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> CPUGraphRunner:
@@ -220,9 +230,9 @@ class CPUGraphRunner:
         per_size = {}
         for b in bar:
             bar.set_postfix(batch=b)
-            before = len(self._generated)
+            before = len(self.layers.generated)
             self._forward(b, torch.arange(b), decode_width(1, self.block_size))
-            per_size[b] = self._generated[before:]
+            per_size[b] = self.layers.generated[before:]
         self.direct = self._direct_codes(per_size)
         for b in (2, 1):  # mixed steps' decode rows: the in-place kernel, one row and many; and with
             # 2 rows, the mixed steps' layer graph (2 tokens or more: one graph serves every mixed step)
@@ -249,7 +259,7 @@ class CPUGraphRunner:
         if any(name.startswith("__resume") for code in codes.values() for name in code.co_names):
             logger.info("decode graphs: the layer graph breaks; steps keep dynamo's guards")
             return {}
-        fn = self._layer_fn
+        fn = self.layers.layer_fn
         return {
             cls: types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
             for cls, code in codes.items()

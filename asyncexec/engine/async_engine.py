@@ -1,11 +1,11 @@
 """`AsyncEngine`: continuous batching over the paged KV cache, for asyncio programs.
 
-`step()` is the whole data path, top to bottom: `Scheduler.schedule()` -> `await
-executor.execute_model(out)` -> `Scheduler.update_from_output()` -> one `RequestOutput` per request
-that progressed. Steps are serialized by a lock, so a direct `step()` caller and the background loop
-never interleave. The background loop runs only while `generate()` callers are waiting. Stop strings
-are found in the update, on the detokenized text (`OutputProcessor`), and finish their request in the
-scheduler in that step; `n > 1` fans a request out to copies (`parallel_sampling`) that share its prompt.
+`step()` is the whole data path, in two halves: `EngineCore.schedule_and_run()` (`Scheduler.schedule()`
+-> `await executor.execute_model(so)`), then `_process_outputs()` (`Scheduler.update_from_output()`, the
+detokenizer and stop strings of `OutputProcessor`) -> one `RequestOutput` per request that progressed,
+handed to its stream (`OutputStreams`). Steps are serialized by a lock, so a direct `step()` caller and
+the background loop never interleave; the loop runs only while `generate()` callers wait. `n > 1` fans
+a request out to copies (`parallel_sampling`) that share its prompt.
 
 Self-healing (`restart_on_worker_failure`): when a worker dies, the step that saw it has the
 `ExecutorSupervisor` replace the executor, and re-queues every running request as preempted with the
@@ -27,6 +27,13 @@ from types import TracebackType
 from typing import Any
 
 from asyncexec.config import EngineConfig
+from asyncexec.core.scheduler import Request, Scheduler
+from asyncexec.engine.core import EngineCore, ScheduledStep
+from asyncexec.engine.metrics import EngineMetrics
+from asyncexec.engine.parallel_sampling import make_requests
+from asyncexec.engine.processor import InputProcessor, OutputProcessor, load_tokenizer
+from asyncexec.engine.streams import OutputStreams
+from asyncexec.engine.supervisor import ExecutorSupervisor, worker_death
 from asyncexec.errors import (
     AsyncExecError,
     ConfigError,
@@ -34,25 +41,16 @@ from asyncexec.errors import (
     EngineStepError,
     ExecutorClosedError,
     InvalidRequestError,
-    RequestFailedError,
     WorkerFailedError,
 )
 from asyncexec.executor import Executor
-from asyncexec.messages import SchedulerOutput
-from asyncexec.metrics import EngineMetrics
 from asyncexec.outputs import RequestOutput
-from asyncexec.parallel_sampling import ParentRequests, make_requests
-from asyncexec.processor import InputProcessor, OutputProcessor, load_tokenizer
 from asyncexec.sampling_params import SamplingParams
-from asyncexec.scheduler import Request, Scheduler
 from asyncexec.structured_output import StructuredOutputManager
-from asyncexec.supervisor import ExecutorSupervisor, worker_death
 
 __all__ = ["AsyncEngine"]
 
 logger = logging.getLogger(__name__)
-
-_Item = RequestOutput | BaseException
 
 
 class AsyncEngine:
@@ -70,9 +68,9 @@ class AsyncEngine:
         self._supervisor = ExecutorSupervisor(config, self.metrics)
         self._inputs: InputProcessor | None = None
         self._structured: StructuredOutputManager | None = None
+        self._core: EngineCore | None = None
         self._outputs = OutputProcessor(None)
-        self._streams: dict[str, asyncio.Queue[_Item]] = {}
-        self._parents = ParentRequests()
+        self._streams = OutputStreams()
         self._lock: asyncio.Lock | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._dead: BaseException | None = None
@@ -99,6 +97,7 @@ class AsyncEngine:
             self._inputs = InputProcessor(self.config, self.tokenizer, self.model_info, self.num_blocks)
             self._outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
             self._structured = StructuredOutputManager(self.tokenizer, self.model_info["vocab_size"])
+            self._core = EngineCore(self.scheduler, self._structured)
         except BaseException:
             await self._supervisor.shutdown()
             raise
@@ -112,8 +111,7 @@ class AsyncEngine:
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
-        for q in self._streams.values():
-            q.put_nowait(ExecutorClosedError("engine shut down while the request was running"))
+        self._streams.fail_all(ExecutorClosedError("engine shut down while the request was running"))
         await self._supervisor.shutdown()
         if self._structured is not None:
             self._structured.shutdown()
@@ -182,7 +180,7 @@ class AsyncEngine:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {rid!r}")
         reqs, parent = make_requests(rid, ids, sp)
         for r in {rid, *(r.request_id for r in reqs)}:
-            if r in sched.requests or r in self._streams or r in self._parents:
+            if r in sched.requests or r in self._streams:
                 raise InvalidRequestError(f"request_id {r!r} is already in use")
         if len(sched.waiting) >= self.config.max_waiting_requests:
             limit = self.config.max_waiting_requests
@@ -194,7 +192,7 @@ class AsyncEngine:
             self._structured.grammar_init(copy)
         sched.add_request(reqs[0], reqs[1:])
         if parent is not None:
-            self._parents.add(parent)
+            self._streams.add_parent(parent)
         self.metrics.prompt_tokens.inc(len(ids))
         return rid
 
@@ -203,12 +201,11 @@ class AsyncEngine:
         finish_reason "abort"."""
         if self.scheduler is None:
             return
-        parent = self._parents.parents.get(request_id)
-        for rid in parent.child_ids if parent is not None else [request_id]:
+        for rid in self._streams.request_ids(request_id):
             req = self.scheduler.finish(rid, "abort")
             if req is not None:
                 self.metrics.on_finished("abort")
-                self._deliver(self._outputs.make_output(req, []))
+                self._streams.deliver(self._outputs.make_output(req, []))
             self._outputs.forget(rid)
 
     def has_unfinished_requests(self) -> bool:
@@ -245,46 +242,40 @@ class AsyncEngine:
                 raise ExecutorClosedError(f"engine has failed: {self._dead}") from self._dead
             if not sched.has_work():
                 return []
-            assert self.executor is not None and self._structured is not None
+            assert self._core is not None and self._structured is not None
+            executor = self._supervisor.executor
+            assert executor is not None
             t0 = time.perf_counter()
-            rejected = [self._fail_request(sched, r, e) for r, e in self._structured.take_failed()]
+            outputs = [self._fail_request(sched, r, e) for r, e in self._structured.take_failed()]
             try:
-                so = sched.schedule()
-                if not so.num_scheduled_tokens and not so.finished_req_ids and self._structured.has_pending:
-                    await self._structured.wait_for_grammars()  # nothing to run until one compiles
-                    return [routed for o in rejected for routed in self._deliver(o)]
-                self._structured.fill_bitmask(so, sched.requests)
-                out = await self.executor.execute_model(so)
+                step = await self._core.schedule_and_run(executor)
             except asyncio.CancelledError:
                 raise
-            except WorkerFailedError as e:  # a rank raised in the step (a kernel's error) and serves on
-                if self.executor.is_failed:
-                    await self._heal_or_die(e, sched)
-                    return []
-                failed_step = self._fail_step(sched, so, e)
-                return [routed for o in rejected + failed_step for routed in self._deliver(o)]
             except BaseException as e:
                 await self._heal_or_die(e, sched)
                 return []
-            try:
-                progressed, failed = sched.update_from_output(so, out)
-                failed += self._structured.accept_tokens(progressed, sched.finish)  # a grammar's end
-                outputs, bad = self._outputs.make_outputs(progressed)  # stop strings finish here
-                outputs += rejected + [self._fail_request(sched, req, exc) for req, exc in [*failed, *bad]]
-                done = [p for p in progressed if p[0].finish_reason != "error"]
-                self.metrics.on_step(time.perf_counter() - t0, done)
-            except Exception as e:
-                raise self._die(e)  # noqa: B904 (EngineStepError chains e; an asyncexec error is e)
-        return [routed for o in outputs for routed in self._deliver(o)]
+            if step.error is not None and executor.is_failed:  # the rank died with the call
+                await self._heal_or_die(step.error, sched)
+                return []
+            if step.error is not None:  # a rank raised in the step (a kernel's error) and serves on
+                outputs += self._fail_step(sched, step, step.error)
+            elif step.output is not None:
+                outputs += self._process_outputs(sched, step, t0)
+        return [routed for o in outputs for routed in self._streams.deliver(o)]
 
-    def _deliver(self, out: RequestOutput) -> list[RequestOutput]:
-        """Hand `out` (as its parent's, for a copy) to its stream, if one waits; returns what was sent."""
-        routed = self._parents.route(out)
-        for o in routed:
-            q = self._streams.get(o.request_id)
-            if q is not None:
-                q.put_nowait(o)
-        return routed
+    def _process_outputs(self, sched: Scheduler, step: ScheduledStep, t0: float) -> list[RequestOutput]:
+        """The step's second half: the scheduler and grammars updated, then detokenization and stop
+        strings (which finish their requests here); a failure here fails the engine."""
+        assert self._core is not None
+        try:
+            progressed, failed = self._core.update(step)
+            outputs, bad = self._outputs.make_outputs(progressed)
+            outputs += [self._fail_request(sched, req, exc) for req, exc in [*failed, *bad]]
+            done = [p for p in progressed if p[0].finish_reason != "error"]
+            self.metrics.on_step(time.perf_counter() - t0, done)
+        except Exception as e:
+            raise self._die(e)  # noqa: B904 (EngineStepError chains e; an asyncexec error is e)
+        return outputs
 
     async def _heal_or_die(self, exc: BaseException, sched: Scheduler) -> None:
         """Replace the executor if a worker died and the budget allows, else fail the engine and raise."""
@@ -298,27 +289,18 @@ class AsyncEngine:
         raise self._die(death or exc)  # the death behind a closed executor; a non-asyncexec error wrapped
 
     def _fail_step(
-        self, sched: Scheduler, so: SchedulerOutput, exc: WorkerFailedError
+        self, sched: Scheduler, step: ScheduledStep, exc: WorkerFailedError
     ) -> list[RequestOutput]:
-        """A step that a rank failed to run: its requests finish with "error" (their blocks freed), the
-        engine serves on. A rank may have failed before applying the step's deltas, so the requests it
-        finished are sent again with the next step (dropping a request it no longer holds is a no-op)."""
-        logger.error("step %d failed on the workers; its %d requests fail with it", so.step_id,
-                     len(so.num_scheduled_tokens))  # fmt: skip
-        sched.resend_finished(so.finished_req_ids)
-        reqs = [req for rid in so.num_scheduled_tokens if (req := sched.requests.get(rid)) is not None]
-        return [self._fail_request(sched, req, exc) for req in reqs]
+        """A step that a rank failed to run: its requests finish with "error", the engine serves on."""
+        assert self._core is not None
+        return [self._fail_request(sched, req, exc) for req in self._core.fail_step(step)]
 
     def _fail_request(self, sched: Scheduler, req: Request, exc: Exception) -> RequestOutput:
         """Finish one request with "error" (its blocks freed); its stream gets the error, not an output."""
         logger.error("request %s failed: %r", req.request_id, exc)
         sched.finish(req.request_id, "error")  # a no-op where the scheduler already did
         self.metrics.on_finished("error")
-        q = self._streams.pop(self._parents.stream_id(req.request_id), None)
-        if q is not None:  # a request refused for its own input (its grammar) gets that error, a 400
-            q.put_nowait(
-                exc if isinstance(exc, InvalidRequestError) else RequestFailedError(req.request_id, exc)
-            )
+        self._streams.fail(req.request_id, exc)
         return self._outputs.error_output(req)
 
     async def generate(
@@ -331,8 +313,7 @@ class AsyncEngine:
         finished). Leaving early, `aclose()` or cancellation aborts it."""
         rid = self.add_request(prompt, sampling_params, request_id)
         left = sampling_params.n if sampling_params is not None else 1  # outputs with `finished` to come
-        q: asyncio.Queue[_Item] = asyncio.Queue()
-        self._streams[rid] = q
+        q = self._streams.open(rid)
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(
                 self._run(), name="asyncexec-engine-loop"
@@ -347,10 +328,9 @@ class AsyncEngine:
                 finished = left == 0
                 yield item
         finally:
-            self._streams.pop(rid, None)
             if not finished:
                 self.abort(rid)
-            self._parents.forget(rid)
+            self._streams.close(rid)
 
     async def _run(self) -> None:
         """The background loop: step while anyone is waiting on `generate`."""
@@ -372,8 +352,7 @@ class AsyncEngine:
         logger.error("engine failed: %s", err)
         if self.scheduler is not None:
             self.metrics.on_finished("error", len(self.scheduler.finish_all("error")))
-        for q in self._streams.values():
-            q.put_nowait(err)
+        self._streams.fail_all(err)
         self._supervisor.release_soon()  # nothing will use the workers or the spares again
         return err
 

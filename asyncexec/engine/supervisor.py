@@ -23,11 +23,11 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncexec.config import EngineConfig
+from asyncexec.core.kv_cache import tokens_held
+from asyncexec.engine.metrics import EngineMetrics
 from asyncexec.errors import ConfigError, ExecutorClosedError, WorkerDiedError, WorkerStartupError
 from asyncexec.executor import Executor, MultiProcExecutor
 from asyncexec.executor.spares import SpareWorkers
-from asyncexec.kv_cache import tokens_held
-from asyncexec.metrics import EngineMetrics
 from asyncexec.model_registry import resolve_config
 
 __all__ = ["ExecutorSupervisor", "worker_death"]

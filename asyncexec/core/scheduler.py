@@ -30,9 +30,11 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from asyncexec.config import EngineConfig
-from asyncexec.kv_cache import KVCacheManager, tokens_held
+from asyncexec.core.kv_cache import KVCacheManager, tokens_held
+from asyncexec.core.request import Request, RequestStatus
 from asyncexec.messages import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -40,9 +42,19 @@ from asyncexec.messages import (
     PromptLogprobs,
     SchedulerOutput,
 )
-from asyncexec.request import Request, RequestStatus
 
 __all__ = ["Request", "RequestStatus", "Scheduler"]
+
+
+@dataclass
+class _StepBuilder:
+    """The step `schedule()` is building: its remaining token budget and what it has scheduled."""
+
+    budget: int
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
 
 
 class Scheduler:
@@ -159,35 +171,49 @@ class Scheduler:
     # ----- one step ---------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        new_reqs: list[NewRequestData] = []
-        cached = CachedRequestData()
-        num_scheduled: dict[str, int] = {}
-        preempted: list[str] = []
+        step = _StepBuilder(self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:  # no admission in a step that had to preempt
+            self._schedule_waiting(step)
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            next(self._step_ids),
+            step.new_reqs,
+            step.cached,
+            step.num_scheduled,
+            sum(step.num_scheduled.values()),
+            finished,
+            step.preempted,
+        )
+
+    def _schedule_running(self, step: _StepBuilder) -> None:
+        """Running requests, in order; a request that needs a block when none is free preempts the most
+        recently admitted one (itself, last)."""
         for req in list(self.running):
-            if budget == 0 or req.status is not RequestStatus.RUNNING:
+            if step.budget == 0 or req.status is not RequestStatus.RUNNING:
                 continue
-            n = self._cap_prefill(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            n = self._cap_prefill(req, min(req.num_tokens - req.num_computed_tokens, step.budget))
             while (new_blocks := self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
-                preempted.append(victim.request_id)
+                step.preempted.append(victim.request_id)
                 if victim is req:
                     break
-            if new_blocks is None:
-                continue
-            self._emit(req, n, new_blocks, new_reqs, cached)
-            num_scheduled[req.request_id] = n
-            budget -= n
-        skipped: list[Request] = []  # waiting for their grammar: they keep their place in the queue
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            if new_blocks is not None:
+                self._emit(step, req, n, new_blocks)
+
+    def _schedule_waiting(self, step: _StepBuilder) -> None:
+        """Waiting requests, in order, after a prefix-cache lookup, while budget, sequence slots and
+        blocks last; those waiting for their grammar keep their place in the queue."""
+        skipped: list[Request] = []
+        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.waiting_for_grammar:
                 skipped.append(self.waiting.popleft())
                 continue
             if req.num_computed_tokens == 0:
                 req.num_computed_tokens = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
-            n = self._cap_prefill(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            n = self._cap_prefill(req, min(req.num_tokens - req.num_computed_tokens, step.budget))
             new_blocks = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)
             if new_blocks is None:  # give the prefix hits back; look again next step
                 self.kv.free(req.request_id)
@@ -197,27 +223,8 @@ class Scheduler:
             resumed = req.status is RequestStatus.PREEMPTED
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self._emit(
-                req,
-                n,
-                self.kv.block_ids(req.request_id) if resumed else new_blocks,
-                new_reqs,
-                cached,
-                resumed,
-            )
-            num_scheduled[req.request_id] = n
-            budget -= n
+            self._emit(step, req, n, self.kv.block_ids(req.request_id) if resumed else new_blocks, resumed)
         self.waiting.extendleft(reversed(skipped))
-        finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(
-            next(self._step_ids),
-            new_reqs,
-            cached,
-            num_scheduled,
-            sum(num_scheduled.values()),
-            finished,
-            preempted,
-        )
 
     def _cap_prefill(self, req: Request, n: int) -> int:
         """A long prefill takes at most `long_prefill_token_threshold` tokens of a step while other
@@ -236,17 +243,14 @@ class Scheduler:
         return min(n, cap)
 
     def _emit(
-        self,
-        req: Request,
-        n: int,
-        new_blocks: list[int],
-        new_reqs: list[NewRequestData],
-        cached: CachedRequestData,
-        resumed: bool = False,
+        self, step: _StepBuilder, req: Request, n: int, new_blocks: list[int], resumed: bool = False
     ) -> None:
+        """Schedule `n` tokens of `req`: in full where the workers do not know it, else as a delta."""
+        step.num_scheduled[req.request_id] = n
+        step.budget -= n
         if not req.known_to_workers:
             blocks = self.kv.block_ids(req.request_id)
-            new_reqs.append(
+            step.new_reqs.append(
                 NewRequestData(
                     req.request_id,
                     req.all_token_ids,
@@ -258,6 +262,7 @@ class Scheduler:
             )
             req.known_to_workers = True
             return
+        cached = step.cached
         cached.req_ids.append(req.request_id)
         cached.resumed_from_preemption.append(resumed)
         cached.new_token_ids.append([])  # the workers hold every token: they append what they sample

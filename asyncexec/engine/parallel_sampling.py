@@ -16,8 +16,8 @@ import dataclasses
 
 import msgspec
 
+from asyncexec.core.request import Request
 from asyncexec.outputs import RequestOutput
-from asyncexec.request import Request
 from asyncexec.sampling_params import SamplingParams
 
 __all__ = ["ParentRequest", "ParentRequests", "make_requests"]

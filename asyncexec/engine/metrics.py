@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 from asyncexec.errors import ExecutorClosedError
 
 if TYPE_CHECKING:
-    from asyncexec.scheduler import Request
+    from asyncexec.core.scheduler import Request
 
 __all__ = ["FINISH_REASONS", "EngineMetrics"]
 

@@ -12,11 +12,11 @@ from typing import Any, TypeVar
 import msgspec
 
 from asyncexec.config import EngineConfig
-from asyncexec.detokenizer import RequestDetokenizer
+from asyncexec.core.kv_cache import tokens_held
+from asyncexec.core.request import Request
+from asyncexec.engine.detokenizer import RequestDetokenizer
 from asyncexec.errors import InvalidRequestError
-from asyncexec.kv_cache import tokens_held
 from asyncexec.outputs import RequestOutput
-from asyncexec.request import Request
 from asyncexec.sampling_params import SamplingParams, check_token_ids_in_vocab
 
 __all__ = ["InputProcessor", "OutputProcessor", "load_tokenizer"]

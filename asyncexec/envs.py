@@ -3,9 +3,10 @@
 Settings of an engine belong in `EngineConfig`; these are the process-wide knobs, read where a decision
 is made at start-up or load, never on a step's path:
 
-- `ASYNCEXEC_INT8_GEMV=0`: int8 steps of 1-4 rows use PyTorch's `_weight_int8pack_mm` instead of
-  asyncexec's own kernel (`ops/int8_gemv.py`), to compare the two (`scripts/_bench_single.py` does).
-  Read by the load-time transform (`quantization/pack.py`).
+- `ASYNCEXEC_INT8_GEMV=0`: int8 weights run PyTorch's kernels instead of asyncexec's own (`ops/int8_gemm.py`
+  on AVX-512 VNNI, every step, no dense copy; else `ops/int8_gemv.py` for steps of 1-4 rows and a dense
+  copy above): PyTorch's `_weight_int8pack_mm` for 1-4 rows, a dense copy above, to compare
+  (`scripts/_bench_single.py` does). Read by the load-time transform (`quantization/pack.py`).
 - `ASYNCEXEC_PAGED_DECODE=0`: graph-mode decode attention runs the inductor-compiled loop instead of
   asyncexec's C++ kernel (`ops/paged_decode.py`). Read by the CPU graph runner when it compiles.
 - `ASYNCEXEC_API_KEY`: the server's API key where `--api-key` is not given (`asyncexec serve`).
@@ -25,7 +26,7 @@ __all__ = ["api_key", "int8_gemv_enabled", "paged_decode_enabled"]
 
 
 def int8_gemv_enabled() -> bool:
-    """Whether int8 steps of 1-4 rows may use asyncexec's own kernel (`ASYNCEXEC_INT8_GEMV`, default 1)."""
+    """Whether int8 weights may use asyncexec's own kernels (`ASYNCEXEC_INT8_GEMV`, default 1)."""
     return os.environ.get("ASYNCEXEC_INT8_GEMV", "1") != "0"
 
 

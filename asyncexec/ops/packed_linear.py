@@ -5,7 +5,8 @@ The module's `weight` is a stand-in whose data pointer keys `REGISTRY`, which ho
 weights, or its group's share. The
 compiled decoder layers see one opaque call per linear (a group's identical calls merged by
 `DedupeGroupLinears`); eager forwards call `_linear` directly, without the dispatcher. `_matmul` picks
-the kernel by the step's rows: up to `INT8_MAX_ROWS` the quantized kernels, above the dense copy.
+the kernel: int8 on AVX-512 VNNI runs `int8_gemm` at every size; otherwise, by the step's rows, up to
+`INT8_MAX_ROWS` the quantized kernels, above the dense copy.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from asyncexec.ops import int8_gemv
+from asyncexec.ops import int8_gemm, int8_gemv
 
 __all__ = [
     "INT4_GROUP",
@@ -42,6 +43,8 @@ class PackedWeight:
     scales: torch.Tensor | None = None  # [N], in dtype
     inv_s: torch.Tensor | None = None  # [K], in dtype: activation-aware int8 divides the input by `s`
     gemv: bool = False  # int8 rows run asyncexec's kernel (`int8_gemv`), else PyTorch's
+    blocked: torch.Tensor | None = None  # int8 in `int8_gemm`'s layout: serves every step (no qweight)
+    wsum: torch.Tensor | None = None  # int32 [N]: each output channel's sum of int8 weights (`int8_gemm`)
     q4: torch.Tensor | None = None  # int4: the kernel's packed weight
     sz: torch.Tensor | None = None  # int4: scales and zeros [K / INT4_GROUP, N, 2], in dtype
     bias: torch.Tensor | None = None  # a group's concatenated bias (a lone linear's comes with the call)
@@ -84,6 +87,10 @@ _lib.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")  #
 def _matmul(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     y: torch.Tensor
+    if p.blocked is not None:  # int8 on AVX-512 VNNI: one kernel for every step
+        assert p.wsum is not None and p.scales is not None
+        y = int8_gemm.run(x2.contiguous(), p.blocked, p.wsum, p.scales, p.inv_s)
+        return y if bias is None else y + bias
     if p.dense is None or x2.shape[0] <= INT8_MAX_ROWS:
         if p.q4 is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), p.q4, INT4_GROUP, p.sz)

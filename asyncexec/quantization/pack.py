@@ -8,14 +8,14 @@ compiled decoder layers see as one opaque call and eager forwards call directly:
   freezing cannot apply; the op reads the packed weight from a registry instead.
 - **int8** (`EngineConfig(quantization="int8")`): every linear, lm_head included, is quantized at load,
   in each worker after tensor-parallel sharding: symmetric, one scale per output channel, with
-  activation-aware input-channel scales (`quantization.int8`: the input is divided by them). Steps of at most
-  `INT8_MAX_ROWS` rows (a lone stream, a few streams) run asyncexec's int8 GEMV (`int8_gemv`; PyTorch's
-  `aten._weight_int8pack_mm` where it cannot be built), which reads half the bytes of bf16. Those
-  kernels are slower than the packed bf16 GEMM from 8 rows up (2x at 32 rows, measured), so bigger
-  steps use a packed bf16 copy of the dequantized weights (the same model either way): int8 mode
-  trades memory (int8 + bf16 weights) for speed and does not save memory. Activations, the KV cache
-  and the logits stay in bf16; int8 needs dtype bfloat16 (with float32 activations the kernel is
-  slower than packed float32 weights).
+  activation-aware input-channel scales (`quantization.int8`: the input is divided by them). On AVX-512
+  VNNI every step runs asyncexec's int8 GEMM (`int8_gemm`, activations quantized per row and group of 32
+  in the kernel) on the one int8 copy, blocked at load for it: int8 then holds half of bf16's bytes.
+  Elsewhere, steps of at most `INT8_MAX_ROWS` rows (a lone stream, a few streams) run asyncexec's int8
+  GEMV (`int8_gemv`; PyTorch's `aten._weight_int8pack_mm` where it cannot be built), which reads half the
+  bytes of bf16, and bigger steps a packed bf16 copy of the dequantized weights (those kernels are
+  slower than the packed bf16 GEMM from 8 rows up): there int8 trades memory for speed. The KV cache
+  and the logits stay in bf16; int8 needs dtype bfloat16.
 
 - **float32: packed or plain, whichever is faster here.** Which float32 layout multiplies faster depends
   on the CPU: on a 2-core AVX-512 EPYC the packed weights took 0.3-0.77x the time of `nn.Linear`, on a
@@ -51,7 +51,7 @@ import torch
 from asyncexec import envs
 from asyncexec.config import QUANTIZATIONS
 from asyncexec.errors import ConfigError
-from asyncexec.ops import int8_gemv
+from asyncexec.ops import int8_gemm, int8_gemv
 from asyncexec.ops.packed_linear import (
     INT8_MAX_ROWS,
     REGISTRY,
@@ -146,9 +146,13 @@ def _pack(
         w = dequantized.to(w.dtype)  # what int4 rows compute with
     elif quantization is not None:  # int8, and int4's lm_head and linears of odd widths
         packed.qweight, packed.scales = quantize_weight(w, s)
-        packed.gemv = envs.int8_gemv_enabled() and int8_gemv.fits(packed.qweight, packed.scales)
         if s is not None:
             packed.inv_s = (1.0 / s).to(w.dtype)
+        if envs.int8_gemv_enabled() and int8_gemm.fits(packed.qweight, packed.scales):
+            packed.blocked, packed.wsum = int8_gemm.pack(packed.qweight)
+            packed.qweight = None
+            return packed  # one int8 copy serves every step
+        packed.gemv = envs.int8_gemv_enabled() and int8_gemv.fits(packed.qweight, packed.scales)
         w = dequantize(packed.qweight, packed.scales, s).to(w.dtype)  # what int8 rows compute with
     elif upcast:
         packed.small = w.contiguous()
@@ -242,7 +246,7 @@ class _PackStats(dict[str, int]):
     def count(self, w: torch.Tensor, p: PackedWeight, share: float = 1.0) -> None:
         """`share`: a group member's part of the group's weights."""
         self["bytes_before"] += w.numel() * w.element_size()
-        tensors = (p.dense, p.small, p.qweight, p.scales, p.inv_s, p.q4, p.sz)
+        tensors = (p.dense, p.small, p.qweight, p.blocked, p.wsum, p.scales, p.inv_s, p.q4, p.sz)
         self["bytes_after"] += int(
             share * sum(t.numel() * t.element_size() for t in tensors if t is not None)
         )

@@ -20,3 +20,12 @@ def unload_kernel(module: ModuleType, monkeypatch: pytest.MonkeyPatch, source: P
     for name, value in (("_fn", None), ("_width", 0), ("_ready", False)):
         if hasattr(module, name):
             monkeypatch.setattr(module, name, value)
+
+
+@pytest.fixture
+def without_int8_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 as a CPU without AVX-512 VNNI runs it: the GEMV (or PyTorch's kernel) for 1-4 rows and a dense
+    copy above, not `int8_gemm` at every size."""
+    from asyncexec.ops import int8_gemm
+
+    monkeypatch.setattr(int8_gemm, "fits", lambda qweight, scales: False)

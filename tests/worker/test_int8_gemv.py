@@ -53,6 +53,7 @@ def test_int8_gemv_refuses_shapes_it_does_not_serve() -> None:
     assert not int8_gemv.fits(q[:, :60].contiguous(), scales)  # K not a multiple of the vector width
 
 
+@pytest.mark.usefixtures("without_int8_gemm")
 def test_int8_steps_of_up_to_4_rows_run_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     kernel = int8_gemv.run
@@ -70,6 +71,7 @@ def test_int8_steps_of_up_to_4_rows_run_the_kernel(monkeypatch: pytest.MonkeyPat
     assert calls == [1, INT8_MAX_ROWS]  # 5 rows: the packed bf16 copy
 
 
+@pytest.mark.usefixtures("without_int8_gemm")
 def test_without_the_kernel_int8_uses_pytorchs_with_the_same_result(
     fresh_kernel: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

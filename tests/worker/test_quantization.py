@@ -198,6 +198,7 @@ async def test_int8_engine_scores_like_hf_with_the_dequantized_weights(
     assert max(diffs) < (0.1 if tp == 1 else 0.2), max(diffs)
 
 
+@pytest.mark.usefixtures("without_int8_gemm")
 def test_where_onednn_cannot_pack_linears_stay_and_int8_serves_every_size(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -215,6 +216,7 @@ def test_where_onednn_cannot_pack_linears_stay_and_int8_serves_every_size(
         torch.testing.assert_close(lin(x).float(), want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.usefixtures("without_int8_gemm")
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_without_onednn_bf16_bigger_steps_multiply_in_float32(
     monkeypatch: pytest.MonkeyPatch, quantization: str | None

@@ -2,7 +2,8 @@
 the oneDNN-packed weight asyncexec uses (`mkldnn._linear_pointwise`; on a CPU where oneDNN has no bf16
 GEMM, the packed float32 copy on upcast activations that asyncexec uses there), int8 weight-only
 (per-channel scales) with PyTorch's kernel (`aten._weight_int8pack_mm`) and with asyncexec's
-(`asyncexec.ops.int8_gemv`, up to 4 rows; where it cannot build, that column is nan), and int4
+(`asyncexec.ops.int8_gemv`, up to 4 rows; where it cannot build, that column is nan), asyncexec's W8A8
+int8 GEMM on AVX-512 VNNI (`asyncexec.ops.int8_gemm`, every size; nan without VNNI), and int4
 weight-only as asyncexec quantizes it (`aten._weight_int4pack_mm_for_cpu`, a scale and a zero per 32
 inputs; `asyncexec.quantization.int4`). Median ms of the whole set, per M, in one process.
 
@@ -42,7 +43,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from asyncexec.model_registry import resolve_model
-    from asyncexec.ops import int8_gemv
+    from asyncexec.ops import int8_gemm, int8_gemv
     from asyncexec.quantization.int4 import INT4_GROUP, quantize_int4
     from asyncexec.quantization.pack import can_pack, quantize_weight
 
@@ -54,9 +55,9 @@ def main() -> None:
     upcast = not can_pack(dtype)  # asyncexec's choice on this CPU (quantization.py)
     if upcast:
         print(f"oneDNN has no {args.dtype} GEMM on this CPU: 'packed' is the float32 copy on upcast rows")
-    ours = int8_gemv.load()
-    head = ["rows", "plain ms", "mm W^T ms", "packed ms", "int8 ms", "int8 ours ms", "int4 ms",
-            "packed/plain", "mmT/packed", "int8/packed", "ours/int8", "int4/int8"]  # fmt: skip
+    ours, vnni = int8_gemv.load(), int8_gemm.load()
+    head = ["rows", "plain ms", "mm W^T ms", "packed ms", "int8 ms", "int8 ours ms", "w8a8 ms", "int4 ms",
+            "packed/plain", "mmT/packed", "int8/packed", "ours/int8", "w8a8/packed", "int4/int8"]  # fmt: skip
     print(" ".join(f"{h:>12s}" for h in head))
     with torch.inference_mode():
         ws = [(m.weight, m.bias) for m in lins]
@@ -64,6 +65,8 @@ def main() -> None:
         transposed = [w.t().contiguous() for w, _ in ws]  # float32's plain layout (quantization.py)
         quant = [(*quantize_weight(w), b) for w, b in ws]
         quant4 = [quantize_int4(w)[:2] for w, _ in ws]
+        fit = vnni and all(int8_gemm.fits(q, s) for q, s, _ in quant)
+        blocked = [(*int8_gemm.pack(q), s) for q, s, _ in quant] if fit else []
         for rows in args.rows:
             xs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in lins}
 
@@ -92,6 +95,10 @@ def main() -> None:
                 for q, s, _ in quant:
                     int8_gemv.int8_gemv(xs[q.shape[1]], q, s)
 
+            def w8a8(xs: dict[int, torch.Tensor] = xs) -> None:
+                for bw, wsum, s in blocked:
+                    int8_gemm.run(xs[bw.shape[1] * 4], bw, wsum, s, None)
+
             def int4(xs: dict[int, torch.Tensor] = xs) -> None:
                 for (pw, sz), (w, _) in zip(quant4, ws, strict=True):
                     torch.ops.aten._weight_int4pack_mm_for_cpu(xs[w.shape[1]], pw, INT4_GROUP, sz)
@@ -100,7 +107,8 @@ def main() -> None:
             nan = float("nan")  # int8 and int4 serve bf16 only (with float32 rows: 30x slower at 32 rows)
             q8, q4 = (bench(int8, 10), bench(int4, 10)) if dtype == torch.bfloat16 else (nan, nan)
             o8 = bench(int8_ours, 10) if ours and rows <= 4 and dtype == torch.bfloat16 else nan
-            row = (rows, a, t, p, q8, o8, q4, p / a, t / p, q8 / p, o8 / q8, q4 / q8)
+            v8 = bench(w8a8, 10) if blocked and dtype == torch.bfloat16 else nan
+            row = (rows, a, t, p, q8, o8, v8, q4, p / a, t / p, q8 / p, o8 / q8, v8 / p, q4 / q8)
             print(" ".join(f"{v:12.2f}" for v in row))
 
 

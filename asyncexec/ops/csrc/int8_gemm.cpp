@@ -161,12 +161,23 @@ extern "C" int asyncexec_int8_gemm(const c10::BFloat16* x, const c10::BFloat16* 
   uint8_t* q = xq.data();  // thread_local: each OpenMP thread would see its own (empty) vectors
   float* s = sx.data();
   const int64_t groups = K / kGroup;
-#pragma omp parallel for num_threads(t) schedule(static) if (M >= 4)
-  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, inv_s, q + m * K, s + m * groups, K);
-  const int64_t chunks = N / 16 / kBlockN;  // of kBlockN * 16 channels
+  if (M >= 8) {  // a region of its own costs more than a few rows' quantization
+#pragma omp parallel for num_threads(t) schedule(static)
+    for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, inv_s, q + m * K, s + m * groups, K);
+  } else {
+    for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, inv_s, q + m * K, s + m * groups, K);
+  }
+  const int64_t vectors = N / 16;
+  if (M <= 2) {  // a memory stream: 4 vectors of weights at a time, more loads in flight
+#pragma omp parallel for num_threads(t) schedule(static)
+    for (int64_t b = 0; b < vectors / 4; ++b) column<4>(q, s, w, wsum, scale, y, b * 4, M, N, K);
+    for (int64_t c = vectors / 4 * 4; c < vectors; ++c) column<1>(q, s, w, wsum, scale, y, c, M, N, K);
+    return 0;
+  }
+  const int64_t chunks = vectors / kBlockN;  // of kBlockN * 16 channels
 #pragma omp parallel for num_threads(t) schedule(static)
   for (int64_t b = 0; b < chunks; ++b) column<kBlockN>(q, s, w, wsum, scale, y, b * kBlockN, M, N, K);
-  if (N / 16 % kBlockN) column<1>(q, s, w, wsum, scale, y, chunks * kBlockN, M, N, K);
+  if (vectors % kBlockN) column<1>(q, s, w, wsum, scale, y, chunks * kBlockN, M, N, K);
   return 0;
 #else
   return 3;

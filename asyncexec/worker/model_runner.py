@@ -26,6 +26,7 @@ from asyncexec.quantization.int8 import activation_scales
 from asyncexec.quantization.pack import check_quantization, pack_linears
 from asyncexec.worker.attention import MIXED_MIN_TOKENS, AttentionMetadata, mixed_step, register_attention
 from asyncexec.worker.input_batch import NULL_BLOCK, InputBatch, PreparedBatch
+from asyncexec.worker.memory import trim_heap
 from asyncexec.worker.model_checks import check_architecture, model_max_len
 from asyncexec.worker.prompt_logprobs import PromptLogprobsRows
 from asyncexec.worker.sampler import Sampler
@@ -96,6 +97,7 @@ class ModelRunner:
             self.model.to(self.device)
         self.model.eval()
         self._patch_model(path)
+        trim_heap()  # the load's bf16 weights, calibration and packing are freed: give the pages back
         bs = self.config.block_size
         self.input_batch = InputBatch(
             self.config.max_num_batched_tokens,
@@ -228,6 +230,7 @@ class ModelRunner:
                 self.compiled_layers,
             ).capture(progress)  # fmt: skip
             self.inplace_decode = True
+        trim_heap()
 
     # ----- the step -------------------------------------------------------------------------------
 

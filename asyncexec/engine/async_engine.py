@@ -41,7 +41,6 @@ from asyncexec.errors import (
     EngineStepError,
     ExecutorClosedError,
     InvalidRequestError,
-    WorkerFailedError,
 )
 from asyncexec.executor import Executor
 from asyncexec.outputs import RequestOutput
@@ -258,7 +257,7 @@ class AsyncEngine:
                 await self._heal_or_die(step.error, sched)
                 return []
             if step.error is not None:  # a rank raised in the step (a kernel's error) and serves on
-                outputs += self._fail_step(sched, step, step.error)
+                outputs += [self._fail_request(sched, req, step.error) for req in self._core.fail_step(step)]
             elif step.output is not None:
                 outputs += self._process_outputs(sched, step, t0)
         return [routed for o in outputs for routed in self._streams.deliver(o)]
@@ -287,13 +286,6 @@ class AsyncEngine:
             except BaseException as failed:
                 exc, death = failed, worker_death(failed)
         raise self._die(death or exc)  # the death behind a closed executor; a non-asyncexec error wrapped
-
-    def _fail_step(
-        self, sched: Scheduler, step: ScheduledStep, exc: WorkerFailedError
-    ) -> list[RequestOutput]:
-        """A step that a rank failed to run: its requests finish with "error", the engine serves on."""
-        assert self._core is not None
-        return [self._fail_request(sched, req, exc) for req in self._core.fail_step(step)]
 
     def _fail_request(self, sched: Scheduler, req: Request, exc: Exception) -> RequestOutput:
         """Finish one request with "error" (its blocks freed); its stream gets the error, not an output."""

@@ -37,7 +37,7 @@ from asyncexec.errors import (
     WorkerStartupError,
 )
 from asyncexec.executor.abstract import Executor
-from asyncexec.executor.pending_calls import PendingCalls, Reply
+from asyncexec.executor.pending_calls import PendingCalls, Reply, fail_future, resolve_future
 from asyncexec.executor.spares import SpareWorkers, popen_worker
 from asyncexec.ipc.channel import ExecutorChannel, sweep_stale_socket_dirs
 from asyncexec.ipc.codec import Decoder, Encoder
@@ -160,8 +160,7 @@ class MultiProcExecutor(Executor):
             self._failure = exc
         self._calls.fail_all(exc)
         for f in self._ready:
-            if not f.done():
-                f.set_exception(exc)
+            fail_future(f, exc)
         if self._terminating is None:
             self._terminating = self._loop.create_task(self._terminate_workers(), name="asyncexec-terminate")
         if first and self.on_failure is not None:
@@ -192,10 +191,10 @@ class MultiProcExecutor(Executor):
                     self._worker_pids.append(msg.pid)
                 if self._reader is not None:
                     self._reader.allow(msg.arena)
-                _set(self._ready[rank], None)
+                resolve_future(self._ready[rank], None)
             case StartupFailed(rank=rank, error=err) if 0 <= rank < self.world_size:
                 exc = WorkerStartupError(rank, f"{err.type}: {err.message}", err.traceback)
-                _fail_future(self._ready[rank], exc)
+                fail_future(self._ready[rank], exc)
             case _:
                 logger.warning("executor dropped an unexpected message: %r", msg)
 
@@ -294,13 +293,3 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _set(fut: asyncio.Future[Any], value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _fail_future(fut: asyncio.Future[Any], exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)

@@ -14,7 +14,7 @@ from asyncexec.errors import ExecutorTimeoutError, WorkerFailedError
 from asyncexec.executor.abstract import FAIL_FAST_METHODS
 from asyncexec.messages import RemoteError
 
-__all__ = ["PendingCalls", "Reply"]
+__all__ = ["PendingCalls", "Reply", "fail_future", "resolve_future"]
 
 Reply = tuple[Any, RemoteError | None]  # a rank's result, or its error
 
@@ -62,25 +62,32 @@ class PendingCalls:
         err = reply[1]
         if err is not None and call.method in FAIL_FAST_METHODS and call.remaining:
             del self._calls[call_id]
-            _fail(call.future, WorkerFailedError(rank, call.method, err.type, err.message, err.traceback))
+            failed = WorkerFailedError(rank, call.method, err.type, err.message, err.traceback)
+            fail_future(call.future, failed)
         elif not call.remaining:
             del self._calls[call_id]
-            if not call.future.done():
-                call.future.set_result(call.replies)  # type: ignore[arg-type]
+            resolve_future(call.future, call.replies)
 
     def expire(self, call_id: int, timeout: float) -> None:
         """`call_id` ran out of time: it fails naming the ranks that did not answer."""
         call = self._calls.pop(call_id, None)
         if call is not None:
-            _fail(call.future, ExecutorTimeoutError(call.method, timeout, sorted(call.remaining)))
+            fail_future(call.future, ExecutorTimeoutError(call.method, timeout, sorted(call.remaining)))
 
     def fail_all(self, exc: BaseException) -> None:
         """Every pending call fails with `exc` (a worker died, or the executor shut down)."""
         for call in self._calls.values():
-            _fail(call.future, exc)
+            fail_future(call.future, exc)
         self._calls.clear()
 
 
-def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
+def resolve_future(fut: asyncio.Future[Any], value: Any) -> None:
+    """`fut`'s result, unless it already has one (or an error)."""
+    if not fut.done():
+        fut.set_result(value)
+
+
+def fail_future(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    """`fut`'s error, unless it already has a result (or one)."""
     if not fut.done():
         fut.set_exception(exc)

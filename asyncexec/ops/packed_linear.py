@@ -44,7 +44,7 @@ class PackedWeight:
     inv_s: torch.Tensor | None = None  # [K], in dtype: activation-aware int8 divides the input by `s`
     gemv: bool = False  # int8 rows run asyncexec's kernel (`int8_gemv`), else PyTorch's
     blocked: torch.Tensor | None = None  # int8 in `int8_gemm`'s layout: serves every step (no qweight)
-    wsum: torch.Tensor | None = None  # int32 [N]: each output channel's sum of int8 weights (`int8_gemm`)
+    wsum: torch.Tensor | None = None  # int32 [K / 32, N]: each group's sum of int8 weights (`int8_gemm`)
     q4: torch.Tensor | None = None  # int4: the kernel's packed weight
     sz: torch.Tensor | None = None  # int4: scales and zeros [K / INT4_GROUP, N, 2], in dtype
     bias: torch.Tensor | None = None  # a group's concatenated bias (a lone linear's comes with the call)

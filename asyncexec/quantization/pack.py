@@ -148,11 +148,12 @@ def _pack(
         packed.qweight, packed.scales = quantize_weight(w, s)
         if s is not None:
             packed.inv_s = (1.0 / s).to(w.dtype)
-        if envs.int8_gemv_enabled() and int8_gemm.fits(packed.qweight, packed.scales):
+        ours = envs.int8_gemv_enabled()
+        if ours and int8_gemm.fits(packed.qweight, packed.scales):
             packed.blocked, packed.wsum = int8_gemm.pack(packed.qweight)
             packed.qweight = None
             return packed  # one int8 copy serves every step
-        packed.gemv = envs.int8_gemv_enabled() and int8_gemv.fits(packed.qweight, packed.scales)
+        packed.gemv = ours and int8_gemv.fits(packed.qweight, packed.scales)
         w = dequantize(packed.qweight, packed.scales, s).to(w.dtype)  # what int8 rows compute with
     elif upcast:
         packed.small = w.contiguous()

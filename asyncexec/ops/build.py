@@ -1,4 +1,4 @@
-"""The one build-and-load routine for asyncexec's C++ kernels (`csrc/int8_gemv.cpp`, `csrc/paged_decode.cpp`).
+"""The one build-and-load routine for asyncexec's C++ kernels (`csrc/*.cpp`).
 
 Built through inductor's C++ compiler driver (`torch._inductor.codecache.CppCodeCache`): it picks this
 CPU's vector flags (CPU_CAPABILITY_AVX512 or _AVX2), puts torch's headers on the include path (ATen's
@@ -12,15 +12,17 @@ see one build and its outcome); where it cannot build, a warning names the error
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CSRC", "CppKernel", "compile_cache_dir", "compiler_missing"]
+__all__ = ["CSRC", "CppKernel", "compile_cache_dir", "compiler_missing", "source_text"]
 
 CSRC = Path(__file__).with_name("csrc")
 
@@ -58,6 +60,15 @@ def compiler_missing() -> str | None:
     return None
 
 
+_INCLUDE = re.compile(r'^#include "([\w.]+)"$', re.MULTILINE)
+
+
+def source_text(source: Path) -> str:
+    """`source` with each `#include "name"` of a file beside it replaced by that file's text (inductor's
+    cache builds one text, so a header shared by two kernels is pasted in; its cache key covers it)."""
+    return _INCLUDE.sub(lambda m: source.with_name(m.group(1)).read_text(), source.read_text())
+
+
 class CppKernel:
     """One C++ source, built and loaded at most once per process.
 
@@ -82,13 +93,28 @@ class CppKernel:
                 self._handle = setup(lib) if lib is not None else None
             return self._handle
 
+    def load_function(self, name: str, argtypes: list[Any], unavailable: str) -> Any:
+        """The library's C function `name` (returning int), or None where the library is unavailable or
+        its `{name}_ready()` says this CPU cannot run it (logged once: `unavailable`)."""
+
+        def setup(lib: Any) -> Any:
+            if not int(getattr(lib, f"{name}_ready")()):
+                self._logger.info("%s", unavailable)
+                return None
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = ctypes.c_int, argtypes
+            self._logger.info("%s ready", self.what)
+            return fn
+
+        return self.load(setup)
+
     def _build(self) -> Any | None:
         from torch._inductor.codecache import CppCodeCache
 
         compile_cache_dir()  # the libraries live next to the compiled decode graphs
         start = time.perf_counter()
         try:
-            lib = CppCodeCache.load(self.source.read_text())
+            lib = CppCodeCache.load(source_text(self.source))
         except Exception as e:  # any build failure leaves the fallback, said once
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             self._logger.warning(

@@ -38,20 +38,13 @@ _fn: Any = None
 
 def load() -> bool:
     """Build (or load from the disk cache) the kernel, once per process; False where it is unavailable."""
-    return _KERNEL.load(_setup) is not None
-
-
-def _setup(lib: Any) -> Any:
     global _fn
-    if not int(lib.asyncexec_int8_gemm_ready()):
-        logger.info("no AVX-512 VNNI on this CPU: int8 steps of more than a few rows use a dense copy")
-        return None
-    fn = lib.asyncexec_int8_gemm
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4
-    _fn = fn
-    logger.info("int8 GEMM kernel ready (AVX-512 VNNI)")
-    return fn
+    _fn = _KERNEL.load_function(
+        "asyncexec_int8_gemm",
+        [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4,
+        "no AVX-512 VNNI on this CPU: int8 steps of more than a few rows use a dense copy",
+    )
+    return _fn is not None
 
 
 def fits(qweight: torch.Tensor, scales: torch.Tensor) -> bool:

@@ -5,8 +5,8 @@ The module's `weight` is a stand-in whose data pointer keys `REGISTRY`, which ho
 weights, or its group's share. The
 compiled decoder layers see one opaque call per linear (a group's identical calls merged by
 `DedupeGroupLinears`); eager forwards call `_linear` directly, without the dispatcher. `_matmul` picks
-the kernel: int8 on AVX-512 VNNI runs `int8_gemm` at every size; otherwise, by the step's rows, up to
-`INT8_MAX_ROWS` the quantized kernels, above the dense copy.
+the kernel: int8 and int4 on AVX-512 VNNI run `int8_gemm` and `int4_gemm` at every size; otherwise, by
+the step's rows, up to `INT8_MAX_ROWS` the quantized kernels, above the dense copy.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from asyncexec.ops import int8_gemm, int8_gemv
+from asyncexec.ops import int4_gemm, int8_gemm, int8_gemv
 
 __all__ = [
     "INT4_GROUP",
@@ -45,8 +45,11 @@ class PackedWeight:
     gemv: bool = False  # int8 rows run asyncexec's kernel (`int8_gemv`), else PyTorch's
     blocked: torch.Tensor | None = None  # int8 in `int8_gemm`'s layout: serves every step (no qweight)
     wsum: torch.Tensor | None = None  # int32 [K / 32, N]: each group's sum of int8 weights (`int8_gemm`)
-    q4: torch.Tensor | None = None  # int4: the kernel's packed weight
+    q4: torch.Tensor | None = None  # int4: PyTorch's kernel's packed weight (with a dense copy)
     sz: torch.Tensor | None = None  # int4: scales and zeros [K / INT4_GROUP, N, 2], in dtype
+    nibbles: torch.Tensor | None = None  # int4 in `int4_gemm`'s layout: serves every step (no dense copy)
+    d: torch.Tensor | None = None  # int4 (`int4_gemm`): scales [K / INT4_GROUP, N], in dtype
+    mn: torch.Tensor | None = None  # int4 (`int4_gemm`): minimums [K / INT4_GROUP, N], in dtype
     bias: torch.Tensor | None = None  # a group's concatenated bias (a lone linear's comes with the call)
     group: LinearGroup | None = None  # set on a member of a group: its columns of the group's output start
     start: int = 0  # at `start` (and are as many as its stand-in weight's rows)
@@ -90,6 +93,10 @@ def _matmul(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None) -> torc
     if p.blocked is not None:  # int8 on AVX-512 VNNI: one kernel for every step
         assert p.wsum is not None and p.scales is not None
         y = int8_gemm.run(x2.contiguous(), p.blocked, p.wsum, p.scales, p.inv_s)
+        return y if bias is None else y + bias
+    if p.nibbles is not None:  # int4 on AVX-512 VNNI: the same
+        assert p.d is not None and p.mn is not None
+        y = int4_gemm.run(x2.contiguous(), p.nibbles, p.d, p.mn)
         return y if bias is None else y + bias
     if p.dense is None or x2.shape[0] <= INT8_MAX_ROWS:
         if p.q4 is not None:

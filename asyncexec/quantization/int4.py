@@ -1,9 +1,12 @@
-"""int4 weights for `quantization="int4"`: 4-bit codes with a scale and a zero per `INT4_GROUP` inputs.
+"""int4 weights for `quantization="int4"`: 4-bit codes with a scale and a minimum per `INT4_GROUP` inputs.
 
-The layout is llama.cpp's Q4_1 (blocks of 32 inputs, `w = q * scale + min`), here as PyTorch's CPU int4
-weight-pack kernel (`aten._weight_int4pack_mm_for_cpu`) takes it: `w = (q - 8) * scale + zero`. Rounding is
-to the nearest of the block's 16 levels between its min and max: a weight matrix that came from a Q4_1
-file (the built-in smollm2's linears) is represented exactly, up to the bf16 rounding of scale and zero.
+The layout is llama.cpp's Q4_1: blocks of 32 inputs of one output channel, `w = q * d + mn` with codes
+0-15 and a bf16 scale `d` and minimum `mn`. Rounding is to the nearest of the block's 16 levels between
+its min and max: a weight matrix that came from a Q4_1 file (the built-in smollm2's linears) is
+represented exactly, up to the bf16 rounding of scale and minimum. On AVX-512 VNNI asyncexec's int4 GEMM
+(`ops.int4_gemm`) multiplies them at every step; elsewhere PyTorch's CPU int4 weight-pack kernel
+(`aten._weight_int4pack_mm_for_cpu`, which takes `w = (q - 8) * d + zero`, so `zero = mn + 8 * d`,
+rounded to bf16) serves a few rows and a dense copy more.
 The lm_head stays in int8 (an embedding tied to it is usually stored at higher precision, and its error
 reaches the logits directly), as llama.cpp's Q4 files keep the output layer at 6 bits or more.
 """
@@ -14,38 +17,46 @@ import torch
 
 from asyncexec.ops.packed_linear import INT4_GROUP
 
-__all__ = ["INT4_GROUP", "dequantize_int4", "int4_fits", "quantize_int4"]
+__all__ = ["INT4_GROUP", "dequantize_int4", "int4_codes", "int4_fits", "quantize_int4"]
 
 
 def int4_fits(weight: torch.Tensor) -> bool:
-    """Whether the kernel takes this [N, K] weight: K in whole groups."""
+    """Whether the kernels take this [N, K] weight: K in whole groups."""
     return weight.dim() == 2 and weight.shape[1] % INT4_GROUP == 0
 
 
 def _codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes [N, K / G, G] (float), scales and minimums [N, K / G, 1] (float32 holding values of the
+    weight's dtype)."""
     n, k = weight.shape
     w = weight.detach().float().reshape(n, k // INT4_GROUP, INT4_GROUP)
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    scale = ((hi - lo) / 15).clamp(min=1e-12).to(weight.dtype).float()  # as the kernel stores them
-    zero = (lo + 8 * scale).to(weight.dtype).float()
-    q = torch.round((w - zero) / scale + 8).clamp(0, 15)
-    return q, scale, zero
+    d = ((hi - lo) / 15).clamp(min=1e-12).to(weight.dtype).float()  # as the kernels store them
+    mn = lo.to(weight.dtype).float()
+    q = torch.round((w - mn) / d).clamp(0, 15)
+    return q, d, mn
+
+
+def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 form of an [N, K] weight: codes uint8 [N, K], scales and minimums [K / INT4_GROUP, N] in the
+    weight's dtype (what `ops.int4_gemm.pack` and the kernel take)."""
+    q, d, mn = _codes(weight)
+    n, k = weight.shape
+    return (q.to(torch.uint8).reshape(n, k), d.squeeze(-1).t().contiguous().to(weight.dtype),
+            mn.squeeze(-1).t().contiguous().to(weight.dtype))  # fmt: skip
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(the kernel's packed int4 weight, scales and zeros [K / INT4_GROUP, N, 2] in the weight's dtype,
-    the float32 weight the int4 matmul computes with)."""
+    """For PyTorch's kernel: (its packed int4 weight, scales and zeros [K / INT4_GROUP, N, 2] in the
+    weight's dtype, the float32 weight the dense copy computes with)."""
     n, k = weight.shape
-    q, scale, zero = _codes(weight)
+    q, d, mn = _codes(weight)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).reshape(n, k), 1)
-    sz = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).transpose(0, 1).contiguous()
-    return packed, sz.to(weight.dtype), _dequantize(q, scale, zero).reshape(n, k)
-
-
-def _dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    return (q - 8) * scale + zero
+    sz = torch.stack([d.squeeze(-1), (mn + 8 * d).squeeze(-1)], dim=-1).transpose(0, 1).contiguous()
+    return packed, sz.to(weight.dtype), (q * d + mn).reshape(n, k)
 
 
 def dequantize_int4(weight: torch.Tensor) -> torch.Tensor:
-    """The float32 weight the int4 matmul computes with for `weight`."""
-    return _dequantize(*_codes(weight)).reshape(weight.shape)
+    """The float32 weight int4 computes with for `weight` (`q * d + mn`)."""
+    q, d, mn = _codes(weight)
+    return (q * d + mn).reshape(weight.shape)

@@ -4,9 +4,8 @@
 //   y[m, n] = scale[n] * sum_g sx[m, g] * sum_{k in g} xq[m, k] * w[n, k]
 //   x, y, scale, inv_s: bf16; w: int8 [N, K]; groups g of kGroup = 32 inputs
 //
-// The activations are quantized here, per row and per group of 32 inputs (as llama.cpp quantizes them
-// per block of 32 for its int8 dot products): x (times `inv_s`, int8's activation-aware input scales,
-// where given) over sx[m, g] = max |x[m, g]| / 127, rounded to nearest even. Coarser scales lost too
+// The activations are quantized first, per row and per group of 32 inputs (`quantize_rows`, vnni.h).
+// Coarser scales lost too
 // much on SmolLM2 (argmax agreement with bf16 over real text: 91.7% with one scale per row, 94.6% per
 // 64 inputs, 95% and more per 32; tests/real_model/test_smollm2_int8.py), at no measurable cost. VNNI
 // multiplies unsigned by signed bytes, so the codes are stored as xq + 128 (1..255) and `wsum[g, n]`, the
@@ -19,38 +18,18 @@
 // every 4 rows of x, runs through their weights (from memory for the first rows, from cache after).
 // Built by inductor's C++ compiler driver; the VNNI code is compiled for its own target and runs only
 // where the CPU has it.
-#include <immintrin.h>
-#include <omp.h>
-
-#include <c10/util/BFloat16.h>
+#include "vnni.h"
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <vector>
 
 namespace {
 
-constexpr int kBlockN = 2;  // vectors of 16 output channels per block
+using namespace asyncexec_vnni;
+
 constexpr int kBlockM = 4;  // rows per block
-constexpr int kGroup = 32;  // inputs per activation scale
 
 #if defined(CPU_CAPABILITY_AVX512)
-#define ASYNCEXEC_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-
-// 16 float lanes to bf16, rounded to nearest even (no AVX-512 BF16 needed)
-ASYNCEXEC_VNNI inline __m256i to_bf16(__m512 v) {
-  const __m512i xi = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(xi, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(xi, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-
-ASYNCEXEC_VNNI inline __m512 from_bf16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 // rows m0 .. m0 + R - 1, output channels 16 * c0 .. 16 * (c0 + NB) - 1
 template <int R, int NB>
 ASYNCEXEC_VNNI inline void block(const uint8_t* xq, const float* sx, const int8_t* w, const int32_t* wsum,
@@ -114,32 +93,6 @@ ASYNCEXEC_VNNI inline void column(const uint8_t* xq, const float* sx, const int8
   }
 }
 
-// one row of x (times inv_s) to codes + 128 and its scale per group
-ASYNCEXEC_VNNI void quantize_row(const c10::BFloat16* x, const c10::BFloat16* inv_s, uint8_t* xq, float* sx,
-                                 int64_t K) {
-  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), off = _mm512_set1_epi32(128);
-  for (int64_t g = 0; g < K / kGroup; ++g) {
-    __m512 v[kGroup / 16];
-    __m512 vmax = _mm512_setzero_ps();
-#pragma GCC unroll 4
-    for (int i = 0; i < kGroup / 16; ++i) {
-      const int64_t k = g * kGroup + i * 16;
-      v[i] = from_bf16(x + k);
-      if (inv_s) v[i] = _mm512_mul_ps(v[i], from_bf16(inv_s + k));
-      vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v[i]));
-    }
-    const float amax = _mm512_reduce_max_ps(vmax);
-    const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-    sx[g] = s;
-    const __m512 inv = _mm512_set1_ps(1.0f / s);
-#pragma GCC unroll 4
-    for (int i = 0; i < kGroup / 16; ++i) {  // rounds to nearest even, as torch.round
-      __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv));
-      q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, lo), hi), off);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * kGroup + i * 16), _mm512_cvtepi32_epi8(q));
-    }
-  }
-}
 #endif
 
 }  // namespace
@@ -153,31 +106,11 @@ extern "C" int asyncexec_int8_gemm(const c10::BFloat16* x, const c10::BFloat16* 
   if (!__builtin_cpu_supports("avx512vnni")) return 4;
   if (K % kGroup != 0 || N % 16 != 0) return 1;
   if (M < 1) return 2;
-  thread_local std::vector<uint8_t> xq;
-  thread_local std::vector<float> sx;
-  xq.resize(M * K);
-  sx.resize(M * (K / kGroup));
   const int t = static_cast<int>(threads);
-  uint8_t* q = xq.data();  // thread_local: each OpenMP thread would see its own (empty) vectors
-  float* s = sx.data();
-  const int64_t groups = K / kGroup;
-  if (M >= 8) {  // a region of its own costs more than a few rows' quantization
-#pragma omp parallel for num_threads(t) schedule(static)
-    for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, inv_s, q + m * K, s + m * groups, K);
-  } else {
-    for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, inv_s, q + m * K, s + m * groups, K);
-  }
-  const int64_t vectors = N / 16;
-  if (M <= 2) {  // a memory stream: 4 vectors of weights at a time, more loads in flight
-#pragma omp parallel for num_threads(t) schedule(static)
-    for (int64_t b = 0; b < vectors / 4; ++b) column<4>(q, s, w, wsum, scale, y, b * 4, M, N, K);
-    for (int64_t c = vectors / 4 * 4; c < vectors; ++c) column<1>(q, s, w, wsum, scale, y, c, M, N, K);
-    return 0;
-  }
-  const int64_t chunks = vectors / kBlockN;  // of kBlockN * 16 channels
-#pragma omp parallel for num_threads(t) schedule(static)
-  for (int64_t b = 0; b < chunks; ++b) column<kBlockN>(q, s, w, wsum, scale, y, b * kBlockN, M, N, K);
-  if (vectors % kBlockN) column<1>(q, s, w, wsum, scale, y, chunks * kBlockN, M, N, K);
+  const Quantized xq = quantize_rows<true>(x, inv_s, M, K, t);
+  const uint8_t* q = xq.xq;
+  const float* s = xq.sx;
+  for_columns([&](auto nb, int64_t c0) { column<decltype(nb)::value>(q, s, w, wsum, scale, y, c0, M, N, K); }, M, N, t);
   return 0;
 #else
   return 3;

@@ -65,8 +65,9 @@ def main() -> None:
         transposed = [w.t().contiguous() for w, _ in ws]  # float32's plain layout (quantization.py)
         quant = [(*quantize_weight(w), b) for w, b in ws]
         quant4 = [quantize_int4(w)[:2] for w, _ in ws]
-        fit = vnni and all(int8_gemm.fits(q, s) for q, s, _ in quant)
-        blocked = [(*int8_gemm.pack(q), s) for q, s, _ in quant] if fit else []
+        fit = vnni and all(int8_gemm.fits(w) for w, _ in ws)
+        grouped = [quantize_weight(w, group=int8_gemm.GROUP) for w, _ in ws] if fit else []
+        blocked = [(int8_gemm.pack(q), s) for q, s in grouped]
         for rows in args.rows:
             xs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in lins}
 
@@ -96,8 +97,8 @@ def main() -> None:
                     int8_gemv.int8_gemv(xs[q.shape[1]], q, s)
 
             def w8a8(xs: dict[int, torch.Tensor] = xs) -> None:
-                for bw, wsum, s in blocked:
-                    int8_gemm.run(xs[bw.shape[1] * 4], bw, wsum, s, None)
+                for bw, s in blocked:
+                    int8_gemm.run(xs[bw.shape[1] * 4], bw, s, None)
 
             def int4(xs: dict[int, torch.Tensor] = xs) -> None:
                 for (pw, sz), (w, _) in zip(quant4, ws, strict=True):

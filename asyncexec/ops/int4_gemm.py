@@ -21,7 +21,7 @@ import torch
 
 from asyncexec.ops.build import CSRC, CppKernel
 
-__all__ = ["GROUP", "fits", "int4_gemm", "load", "pack", "run"]
+__all__ = ["GROUP", "fits", "int4_gemm", "load", "pack", "run", "unpack"]
 
 logger = logging.getLogger(__name__)
 

@@ -43,8 +43,8 @@ class PackedWeight:
     scales: torch.Tensor | None = None  # [N], in dtype
     inv_s: torch.Tensor | None = None  # [K], in dtype: activation-aware int8 divides the input by `s`
     gemv: bool = False  # int8 rows run asyncexec's kernel (`int8_gemv`), else PyTorch's
-    blocked: torch.Tensor | None = None  # int8 in `int8_gemm`'s layout: serves every step (no qweight)
-    wsum: torch.Tensor | None = None  # int32 [K / 32, N]: each group's sum of int8 weights (`int8_gemm`)
+    blocked: torch.Tensor | None = None  # int8 in `int8_gemm`'s layout: serves every step (no qweight;
+    # then `scales` are [K / 32, N], one per channel and group of inputs)
     q4: torch.Tensor | None = None  # int4: PyTorch's kernel's packed weight (with a dense copy)
     sz: torch.Tensor | None = None  # int4: scales and zeros [K / INT4_GROUP, N, 2], in dtype
     nibbles: torch.Tensor | None = None  # int4 in `int4_gemm`'s layout: serves every step (no dense copy)
@@ -91,8 +91,8 @@ def _matmul(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None) -> torc
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     y: torch.Tensor
     if p.blocked is not None:  # int8 on AVX-512 VNNI: one kernel for every step
-        assert p.wsum is not None and p.scales is not None
-        y = int8_gemm.run(x2.contiguous(), p.blocked, p.wsum, p.scales, p.inv_s)
+        assert p.scales is not None
+        y = int8_gemm.run(x2.contiguous(), p.blocked, p.scales, p.inv_s)
         return y if bias is None else y + bias
     if p.nibbles is not None:  # int4 on AVX-512 VNNI: the same
         assert p.d is not None and p.mn is not None

@@ -122,9 +122,11 @@ def activation_scales(model: Any, model_path: str) -> dict[torch.nn.Linear, torc
 
 
 def quantize_weight(
-    weight: torch.Tensor, input_scales: torch.Tensor | None = None
+    weight: torch.Tensor, input_scales: torch.Tensor | None = None, group: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-output-channel symmetric int8: (q [N, K] int8, scales [N] in the weight's dtype). With
+    """Per-output-channel symmetric int8: (q [N, K] int8, scales [N] in the weight's dtype); with `group`,
+    a scale per output channel and group of that many inputs (llama.cpp's Q8_0 for 32, what the int8
+    GEMM takes: scales [K / group, N]). With
     `input_scales` (float32 [K], `activation_scales`), it quantizes `weight * input_scales`: the activation is
     then divided by them before the int8 matmul.
 
@@ -134,14 +136,24 @@ def quantize_weight(
     w = weight.detach().float()
     if input_scales is not None:
         w = w * input_scales
+    if group is not None:
+        n, k = w.shape
+        blocks = w.reshape(n, k // group, group)
+        scales = (blocks.abs().amax(dim=2).clamp(min=1e-12) / 127.0).to(weight.dtype)
+        q = torch.round(blocks / scales.float()[..., None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
+        return q, scales.t().contiguous()
     scales = (w.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(weight.dtype)
     q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
     return q, scales
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, input_scales: torch.Tensor | None) -> torch.Tensor:
-    """The float32 weight the int8 matmul computes with."""
-    w = q.float() * scales.float()[:, None]
+    """The float32 weight the int8 matmul computes with (`scales` [N], or [K / group, N] per group)."""
+    if scales.dim() == 2:
+        n, k = q.shape
+        w = (q.float().reshape(n, scales.shape[0], -1) * scales.float().t()[..., None]).reshape(n, k)
+    else:
+        w = q.float() * scales.float()[:, None]
     return w if input_scales is None else w / input_scales
 
 

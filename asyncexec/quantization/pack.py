@@ -63,6 +63,7 @@ from asyncexec.ops.packed_linear import (
     group_forward,
     linear_forward,
 )
+from asyncexec.quantization.embedding import share_tied_embedding
 from asyncexec.quantization.int4 import int4_codes, int4_fits, quantize_int4
 from asyncexec.quantization.int8 import dequantize, quantize_weight
 
@@ -153,13 +154,12 @@ def _pack(
         packed.q4, packed.sz, dequantized = quantize_int4(w)
         w = dequantized.to(w.dtype)  # what int4 rows compute with
     elif quantization is not None:  # int8, and int4's lm_head and linears of odd widths
+        packed.inv_s = None if s is None else (1.0 / s).to(w.dtype)
+        if ours and int8_gemm.fits(w):  # one int8 copy serves every step, a scale per group (Q8_0)
+            qweight, packed.scales = quantize_weight(w, s, group=int8_gemm.GROUP)
+            packed.blocked = int8_gemm.pack(qweight)
+            return packed
         packed.qweight, packed.scales = quantize_weight(w, s)
-        if s is not None:
-            packed.inv_s = (1.0 / s).to(w.dtype)
-        if ours and int8_gemm.fits(packed.qweight, packed.scales):
-            packed.blocked, packed.wsum = int8_gemm.pack(packed.qweight)
-            packed.qweight = None
-            return packed  # one int8 copy serves every step
         packed.gemv = ours and int8_gemv.fits(packed.qweight, packed.scales)
         w = dequantize(packed.qweight, packed.scales, s).to(w.dtype)  # what int8 rows compute with
     elif upcast:
@@ -254,7 +254,7 @@ class _PackStats(dict[str, int]):
     def count(self, w: torch.Tensor, p: PackedWeight, share: float = 1.0) -> None:
         """`share`: a group member's part of the group's weights."""
         self["bytes_before"] += w.numel() * w.element_size()
-        tensors = (p.dense, p.small, p.qweight, p.blocked, p.wsum, p.scales, p.inv_s, p.q4, p.sz, p.nibbles,
+        tensors = (p.dense, p.small, p.qweight, p.blocked, p.scales, p.inv_s, p.q4, p.sz, p.nibbles,
                    p.d, p.mn)  # fmt: skip
         self["bytes_after"] += int(
             share * sum(t.numel() * t.element_size() for t in tensors if t is not None)
@@ -281,6 +281,7 @@ def pack_linears(
     if layout is None:
         return dict(stats)
     stats["plain"] = int(layout.plain)
+    head_weight = head.weight if isinstance(head, torch.nn.Linear) else None
     for members in _groups(model):
         _pack_group(members, quantization, layout, act, stats)
     for module in model.modules():
@@ -295,6 +296,14 @@ def pack_linears(
         _replace(module, packed)
         stats.count(w, packed)
         stats["linears"] += 1
+    get_embedding = getattr(model, "get_input_embeddings", None)
+    if quantization is not None and head_weight is not None and callable(get_embedding):
+        assert head is not None
+        freed = share_tied_embedding(get_embedding(), head_weight, REGISTRY[head.weight.data_ptr()])
+        if freed:
+            stats["embedding_freed"] = freed
+            logger.info("the tied embedding reads its rows from the lm_head's int8 weight: %.1f MiB freed",
+                        freed / 2**20)  # fmt: skip
     if stats["linears"] == 0 and quantization is not None:
         raise ConfigError(
             f"quantization={quantization!r}: {type(model).__name__} has no nn.Linear to quantize"

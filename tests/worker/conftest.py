@@ -28,4 +28,4 @@ def without_int8_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
     copy above, not `int8_gemm` at every size."""
     from asyncexec.ops import int8_gemm
 
-    monkeypatch.setattr(int8_gemm, "fits", lambda qweight, scales: False)
+    monkeypatch.setattr(int8_gemm, "fits", lambda weight: False)

@@ -9,7 +9,7 @@ import torch
 
 from asyncexec.ops import int8_gemm
 from asyncexec.ops.packed_linear import INT8_MAX_ROWS, REGISTRY
-from asyncexec.quantization.int8 import quantize_weight
+from asyncexec.quantization.int8 import dequantize, quantize_weight
 from asyncexec.quantization.pack import pack_linears
 
 pytestmark = pytest.mark.skipif(not int8_gemm.load(), reason="the int8 GEMM needs AVX-512 VNNI")
@@ -19,7 +19,8 @@ def _reference(
     x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, inv_s: torch.Tensor | None
 ) -> torch.Tensor:
     """The W8A8 product: x (times inv_s) quantized per row and group in float32 as the kernel does (the
-    scale's reciprocal times x, rounded half to even), then the codes times the int8 weights in float64."""
+    scale's reciprocal times x, rounded half to even), then the codes times the int8 weights, with their
+    scales [K / GROUP, N], in float64."""
     xf = x.float() * (inv_s.float() if inv_s is not None else 1.0)
     m, k = xf.shape
     groups = xf.reshape(m, k // int8_gemm.GROUP, int8_gemm.GROUP)
@@ -27,7 +28,7 @@ def _reference(
     sx = torch.where(sx > 0, sx, torch.ones_like(sx))
     codes = torch.round(groups * (1.0 / sx)).clamp(-127, 127)
     xq = (codes.double() * sx.double()).reshape(m, k)
-    return (xq @ q.double().t()) * scales.double()
+    return xq @ dequantize(q, scales, None).double().t()
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 37])
@@ -37,10 +38,9 @@ def test_int8_gemm_is_the_w8a8_product_at_every_size(rows: int, n: int, k: int, 
     gen = torch.Generator().manual_seed(rows * 1000 + n + aware)
     x = (torch.randn(rows, k, generator=gen) * torch.logspace(-2, 1, k)).bfloat16()  # groups far apart
     q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-    scales = (torch.rand(n, generator=gen) * 0.01 + 1e-3).bfloat16()
+    scales = (torch.rand(k // int8_gemm.GROUP, n, generator=gen) * 0.01 + 1e-3).bfloat16()
     inv_s = (torch.rand(k, generator=gen) + 0.5).bfloat16() if aware else None
-    blocked, wsum = int8_gemm.pack(q)
-    got = int8_gemm.int8_gemm(x, blocked, wsum, scales, inv_s)
+    got = int8_gemm.int8_gemm(x, int8_gemm.pack(q), scales, inv_s)
     want = _reference(x, q, scales, inv_s)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     # the sums are exact in int32; what is left is float32's sum over groups and bf16's rounding
@@ -61,24 +61,30 @@ def test_int8_gemm_computes_with_the_rounded_codes_exactly(rows: int) -> None:
     q = torch.randint(-1, 2, (n, k), generator=gen, dtype=torch.int8)
     q[:, :: int8_gemm.GROUP] = 0
     q[:, 8:] = 0  # 6 inputs per output: |y| <= 6 * 31.5
-    blocked, wsum = int8_gemm.pack(q)
-    got = int8_gemm.int8_gemm(x.bfloat16(), blocked, wsum, torch.ones(n, dtype=torch.bfloat16))
+    ones = torch.ones(k // int8_gemm.GROUP, n, dtype=torch.bfloat16)
+    got = int8_gemm.int8_gemm(x.bfloat16(), int8_gemm.pack(q), ones)
     codes = torch.round(x)  # half to even, as the kernel rounds
     assert torch.equal(got.float(), codes @ q.float().t())
     assert not torch.equal(got.float(), x @ q.float().t())  # the unrounded product differs
 
 
+def test_int8_gemm_pack_keeps_every_weight() -> None:
+    q = torch.randint(-127, 128, (48, 128), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    blocked = int8_gemm.pack(q)
+    assert blocked.shape == (3, 32, 16, 4) and blocked.dtype == torch.uint8  # a byte a weight
+    assert torch.equal(int8_gemm.unpack(blocked), q)
+
+
 def test_int8_gemm_refuses_what_it_does_not_serve() -> None:
-    q = torch.zeros(24, 64, dtype=torch.int8)  # 24 output channels: not whole blocks of 16
-    assert not int8_gemm.fits(q, torch.ones(24, dtype=torch.bfloat16))
-    assert not int8_gemm.fits(torch.zeros(32, 48, dtype=torch.int8), torch.ones(32, dtype=torch.bfloat16))
-    blocked, wsum = int8_gemm.pack(torch.zeros(32, 64, dtype=torch.int8))
+    assert not int8_gemm.fits(torch.zeros(24, 64, dtype=torch.bfloat16))  # not whole blocks of 16
+    assert not int8_gemm.fits(torch.zeros(32, 48, dtype=torch.bfloat16))  # not whole groups of 32
+    assert not int8_gemm.fits(torch.zeros(32, 64, dtype=torch.float32))  # its scales are bf16
+    blocked = int8_gemm.pack(torch.zeros(32, 64, dtype=torch.int8))
+    scales = torch.ones(2, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="do not fit"):
-        int8_gemm.int8_gemm(
-            torch.zeros(2, 128, dtype=torch.bfloat16), blocked, wsum, torch.ones(32).bfloat16()
-        )
+        int8_gemm.int8_gemm(torch.zeros(2, 128, dtype=torch.bfloat16), blocked, scales)
     with pytest.raises(ValueError, match="bf16 rows"):
-        int8_gemm.int8_gemm(torch.zeros(2, 64), blocked, wsum, torch.ones(32).bfloat16())
+        int8_gemm.int8_gemm(torch.zeros(2, 64), blocked, scales)
 
 
 def test_int8_weights_serve_every_step_with_no_dense_copy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -91,12 +97,12 @@ def test_int8_weights_serve_every_step_with_no_dense_copy(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(int8_gemm, "run", counted)
     lin = torch.nn.Linear(256, 96, bias=True).bfloat16()
-    q, scales = quantize_weight(lin.weight)
+    q, scales = quantize_weight(lin.weight, group=int8_gemm.GROUP)
     stats = pack_linears(torch.nn.Sequential(lin), "int8")
     packed = REGISTRY[lin.weight.data_ptr()]
     assert packed.dense is None and packed.qweight is None and packed.blocked is not None
-    # int8 weights, one int32 sum per channel and group, bf16 scales: about half of bf16's bytes
-    assert stats["bytes_after"] == 96 * 256 + 96 * (256 // int8_gemm.GROUP) * 4 + 96 * 2
+    # int8 weights, a bf16 scale per channel and group of 32: Q8_0's 8.5 bits a weight
+    assert stats["bytes_after"] == 96 * 256 + 96 * (256 // int8_gemm.GROUP) * 2
     sizes = [1, INT8_MAX_ROWS, INT8_MAX_ROWS + 1, 37, 600]
     with torch.inference_mode():
         for rows in sizes:

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from asyncexec import AsyncEngine, ConfigError, EngineConfig, SamplingParams, WorkerStartupError
+from asyncexec.ops import int8_gemm
 from asyncexec.ops.packed_linear import REGISTRY
 from asyncexec.quantization import pack as quantization
 from asyncexec.quantization.int4 import dequantize_int4
+from asyncexec.quantization.int8 import dequantize
 from asyncexec.quantization.pack import INT8_MAX_ROWS, can_pack, pack_linears, quantize_weight
 
 
@@ -32,8 +34,11 @@ def test_int8_scales_are_per_output_channel() -> None:
 
 
 @pytest.mark.parametrize("rows", [1, INT8_MAX_ROWS, INT8_MAX_ROWS + 1, 37])
-def test_int8_linear_computes_with_the_dequantized_weight_at_every_size(rows: int) -> None:
-    """Small steps take the int8 kernel, bigger ones the packed copy: both are the same quantized model."""
+def test_int8_linear_computes_with_the_dequantized_weight_at_every_size(
+    rows: int, without_int8_gemm: None
+) -> None:
+    """Without the int8 GEMM (one scale per channel), small steps take the int8 GEMV, bigger ones the
+    packed copy: both are the same quantized model."""
     lin = _linear(48, 64, torch.bfloat16)
     with torch.no_grad():  # one large weight per row sets the scale; the rest sit near one step of it
         lin.weight[:, 0] = 1.0
@@ -147,8 +152,9 @@ async def test_int8_refuses_other_dtypes_at_start_up_naming_bfloat16(
 
 
 def _reference_logprobs(path: Path, ids: list[int], quantization: str) -> torch.Tensor:
-    """HF in float32 with every linear's weight replaced by its int8 round trip (int4: the linears' int4
-    round trip, the lm_head's int8 one): log-probs [T, V]."""
+    """HF in float32 with every linear's weight replaced by its int8 round trip (a scale per group of 32
+    where the int8 GEMM serves it; int4: the linears' int4 round trip, the lm_head's int8 one): log-probs
+    [T, V]."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -159,8 +165,9 @@ def _reference_logprobs(path: Path, ids: list[int], quantization: str) -> torch.
                 if quantization == "int4" and name != "lm_head":
                     mod.weight = torch.nn.Parameter(dequantize_int4(w))
                     continue
-                q, s = quantize_weight(w)
-                mod.weight = torch.nn.Parameter(q.float() * s.float()[:, None])  # unties a tied lm_head
+                group = int8_gemm.GROUP if int8_gemm.fits(w) else None  # as pack_linears chooses
+                q, s = quantize_weight(w, group=group)
+                mod.weight = torch.nn.Parameter(dequantize(q, s, None))  # unties a tied lm_head
         logprobs: torch.Tensor = model(torch.tensor([ids])).logits[0].log_softmax(-1)
         return logprobs
 

@@ -6,7 +6,7 @@
 //   y[m, n] = sum_g sx[m, g] * d[g, n] * sum_{k in g} xq[m, k] * q[n, k]  +  mn[g, n] * xs[m, g]
 //
 // with xq the activations' signed codes per row and group, sx their scale and xs = sx * sum of the
-// group's codes (`quantize_rows<false>`, vnni.h). The nibbles are the unsigned operand of `vpdpbusd`, the
+// group's codes (`quantize_rows`, vnni.h). The nibbles are the unsigned operand of `vpdpbusd`, the
 // codes the signed one, so no offset is taken out; products and a group's sums are exact in int32, the
 // groups add up in float32.
 //
@@ -108,7 +108,7 @@ extern "C" int asyncexec_int4_gemm(const c10::BFloat16* x, const uint8_t* w, con
   if (K % kGroup != 0 || N % 16 != 0) return 1;
   if (M < 1) return 2;
   const int t = static_cast<int>(threads);
-  const Quantized q = quantize_rows<false>(x, nullptr, M, K, t);
+  const Quantized q = quantize_rows(x, nullptr, M, K, t);
   for_columns([&](auto nb, int64_t c0) { column<decltype(nb)::value>(q, w, d, mn, y, c0, M, N, K); }, M, N, t);
   return 0;
 #else

@@ -3,10 +3,9 @@
 // kGroup = 32 inputs (as llama.cpp quantizes them per block of 32 for its integer dot products).
 //
 // A row of x (times `inv_s`, int8's activation-aware input scales, where given) is divided by
-// sx[g] = max |x[g]| / 127 and rounded to nearest even, as torch.round. `vpdpbusd` multiplies unsigned
-// by signed bytes: the int8 GEMM's codes are unsigned (xq + 128, its weights signed), the int4 GEMM's
-// signed (its weights are unsigned nibbles), and it also takes each group's sum of codes times sx
-// (`xs`, for the weights' per-group offset).
+// sx[g] = max |x[g]| / 127 and rounded to nearest even, as torch.round, to signed codes: the signed
+// operand of `vpdpbusd`, whose unsigned one is the weights (int8's stored + 128, int4's nibbles). Each
+// group's sum of codes times sx (`xs`) takes the weights' offset (int8's 128, int4's minimum) back out.
 #pragma once
 #include <immintrin.h>
 #include <omp.h>
@@ -37,13 +36,10 @@ ASYNCEXEC_VNNI inline __m512 from_bf16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// one row of x to codes (+128 where kUnsigned) and its scale per group; xs (where kUnsigned is false):
-// each group's sum of codes times its scale
-template <bool kUnsigned>
-ASYNCEXEC_VNNI void quantize_row(const c10::BFloat16* x, const c10::BFloat16* inv_s, uint8_t* xq, float* sx,
+// one row of x to codes, its scale per group and each group's sum of codes times the scale
+ASYNCEXEC_VNNI inline void quantize_row(const c10::BFloat16* x, const c10::BFloat16* inv_s, uint8_t* xq, float* sx,
                                  float* xs, int64_t K) {
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
-  const __m512i off = _mm512_set1_epi32(kUnsigned ? 128 : 0);
   for (int64_t g = 0; g < K / kGroup; ++g) {
     __m512 v[kGroup / 16];
     __m512 vmax = _mm512_setzero_ps();
@@ -64,39 +60,37 @@ ASYNCEXEC_VNNI void quantize_row(const c10::BFloat16* x, const c10::BFloat16* in
       __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv));
       q = _mm512_min_epi32(_mm512_max_epi32(q, lo), hi);
       sum = _mm512_add_epi32(sum, q);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * kGroup + i * 16),
-                       _mm512_cvtepi32_epi8(_mm512_add_epi32(q, off)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * kGroup + i * 16), _mm512_cvtepi32_epi8(q));
     }
-    if (!kUnsigned) xs[g] = s * static_cast<float>(_mm512_reduce_add_epi32(sum));
+    xs[g] = s * static_cast<float>(_mm512_reduce_add_epi32(sum));
   }
 }
 // every row of x quantized, into this thread's buffers (reused from call to call): codes [M][K], scales
-// [M][K / kGroup], and (signed codes) the scaled sums [M][K / kGroup]
+// and scaled sums [M][K / kGroup]
 struct Quantized {
   const uint8_t* xq;
   const float* sx;
   const float* xs;
 };
 
-template <bool kUnsigned>
-ASYNCEXEC_VNNI Quantized quantize_rows(const c10::BFloat16* x, const c10::BFloat16* inv_s, int64_t M, int64_t K,
+ASYNCEXEC_VNNI inline Quantized quantize_rows(const c10::BFloat16* x, const c10::BFloat16* inv_s, int64_t M, int64_t K,
                                        int threads) {
   thread_local std::vector<uint8_t> xq;
   thread_local std::vector<float> sx, xs;
   const int64_t groups = K / kGroup;
   xq.resize(M * K);
   sx.resize(M * groups);
-  xs.resize(kUnsigned ? 0 : M * groups);
+  xs.resize(M * groups);
   uint8_t* q = xq.data();  // thread_local: each OpenMP thread would see its own (empty) vectors
   float* s = sx.data();
-  float* t = kUnsigned ? nullptr : xs.data();
+  float* t = xs.data();
   if (M >= 8) {  // a region of its own costs more than a few rows' quantization (about 36 us)
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t m = 0; m < M; ++m)
-      quantize_row<kUnsigned>(x + m * K, inv_s, q + m * K, s + m * groups, t ? t + m * groups : nullptr, K);
+      quantize_row(x + m * K, inv_s, q + m * K, s + m * groups, t + m * groups, K);
   } else {
     for (int64_t m = 0; m < M; ++m)
-      quantize_row<kUnsigned>(x + m * K, inv_s, q + m * K, s + m * groups, t ? t + m * groups : nullptr, K);
+      quantize_row(x + m * K, inv_s, q + m * K, s + m * groups, t + m * groups, K);
   }
   return {q, s, t};
 }

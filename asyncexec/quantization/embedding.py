@@ -1,0 +1,65 @@
+"""A tied embedding read from its quantized lm_head: the token table is stored once, in int8.
+
+Most small models tie the lm_head to the token embedding (SmolLM2, Llama-3.2-1B and -3B, Qwen2.5 up to
+3B): one [vocab, hidden] matrix, at 1B-3B a fifth to a quarter of the weights. Quantizing the lm_head made a
+second copy of it, and the embedding kept the bf16 one for its lookups. Here the embedding gives up its
+table and each lookup dequantizes only the rows it reads from the lm_head's int8 weight (its scales per
+row or per group of 32, and int8's activation-aware input scales divided back out): the same int8
+weights the logits are computed with, so the two uses stay tied. Only a plain `nn.Embedding` (no
+scaling subclass, no max_norm) whose weight is the lm_head's, outside tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from asyncexec.ops.packed_linear import PackedWeight
+
+__all__ = ["read_rows", "share_tied_embedding"]
+
+
+def read_rows(packed: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` (any shape) of the int8 weight `packed` holds, dequantized: [*ids.shape, K]."""
+    assert packed.scales is not None
+    if packed.blocked is not None:  # int8_gemm's layout [N / 16, K / 4, 16, 4], w + 128
+        k = packed.blocked.shape[1] * 4
+        stored = packed.blocked[ids // 16, :, ids % 16, :].reshape(*ids.shape, k)
+        codes = stored.to(torch.int16) - 128  # stored + 128
+    else:
+        assert packed.qweight is not None
+        codes = packed.qweight[ids]
+    if packed.scales.dim() == 2:  # a scale per group of inputs, [K / G, N]
+        per_group = packed.scales.t()[ids].float().unsqueeze(-1)  # [*ids, K / G, 1]
+        rows = (codes.float().reshape(*per_group.shape[:-1], -1) * per_group).reshape(codes.shape)
+    else:
+        rows = codes.float() * packed.scales[ids].float().unsqueeze(-1)
+    if packed.inv_s is not None:
+        rows = rows * packed.inv_s.float()
+    return rows.to(dtype)
+
+
+def _lookup(self: torch.nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    return read_rows(self.tied_packed, ids, self.tied_dtype)  # type: ignore[arg-type]
+
+
+def share_tied_embedding(embedding: object, head_weight: torch.Tensor, packed: PackedWeight) -> int:
+    """Make `embedding` read its rows from the lm_head's `packed` int8 weight if it is a plain
+    `nn.Embedding` tied to the lm_head (`head_weight`, the head's weight before packing); returns the
+    bytes freed (0 where it does not apply)."""
+    if type(embedding) is not torch.nn.Embedding or embedding.weight is not head_weight:
+        return 0
+    if embedding.max_norm is not None or hasattr(head_weight, "to_local") or packed.scales is None:
+        return 0
+    if packed.blocked is None and packed.qweight is None:
+        return 0
+    w = embedding.weight
+    freed = w.numel() * w.element_size()
+    stand_in = torch.zeros(1, dtype=w.dtype).expand(*w.shape)  # shape and dtype for whoever asks
+    del embedding.weight
+    embedding.register_buffer("weight", stand_in, persistent=False)
+    embedding.tied_packed = packed  # type: ignore[assignment]
+    embedding.tied_dtype = w.dtype  # type: ignore[assignment]
+    embedding.forward = types.MethodType(_lookup, embedding)  # type: ignore[method-assign]
+    return freed

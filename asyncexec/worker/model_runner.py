@@ -22,11 +22,12 @@ import torch
 from asyncexec.config import EngineConfig
 from asyncexec.errors import ConfigError
 from asyncexec.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
+from asyncexec.ops import int8_gemm
 from asyncexec.quantization.int8 import activation_scales
 from asyncexec.quantization.pack import check_quantization, pack_linears
 from asyncexec.worker.attention import MIXED_MIN_TOKENS, AttentionMetadata, mixed_step, register_attention
 from asyncexec.worker.input_batch import NULL_BLOCK, InputBatch, PreparedBatch
-from asyncexec.worker.memory import trim_heap
+from asyncexec.worker.memory import own_weights, trim_heap
 from asyncexec.worker.model_checks import check_architecture, model_max_len
 from asyncexec.worker.prompt_logprobs import PromptLogprobsRows
 from asyncexec.worker.sampler import Sampler
@@ -97,6 +98,7 @@ class ModelRunner:
             self.model.to(self.device)
         self.model.eval()
         self._patch_model(path)
+        own_weights(self.model)  # out of the checkpoint's memory map, which then goes
         trim_heap()  # the load's bf16 weights, calibration and packing are freed: give the pages back
         bs = self.config.block_size
         self.input_batch = InputBatch(
@@ -143,11 +145,16 @@ class ModelRunner:
 
     def _int8_scales(self, path: str) -> dict[torch.nn.Linear, torch.Tensor] | None:
         """int8's activation-aware scales (one calibration forward); plain int8 under tensor parallelism,
-        where each rank holds a shard of the activations."""
+        where each rank holds a shard of the activations, and where the int8 GEMM serves every linear: with
+        a scale per group of 32 the scales measured no gain on SmolLM2 (argmax agreement with bf16 96.1%
+        with and without), and the search took minutes at 1B (`quantization.int8`)."""
         if self.config.quantization != "int8":
             return None
         if self.world_size > 1:
             logger.info("int8 under tensor parallelism: plain per-channel scales (no calibration)")
+            return None
+        if all(int8_gemm.fits(m.weight) for m in self.model.modules() if isinstance(m, torch.nn.Linear)):
+            logger.info("int8 with a scale per group of 32 (Q8_0) needs no calibration")
             return None
         return activation_scales(self.model, path)
 

@@ -59,7 +59,7 @@ def pack(qweight: torch.Tensor) -> torch.Tensor:
     """The kernel's form of an int8 [N, K] weight: blocked uint8 [N / 16, K / 4, 16, 4] holding w + 128
     (`vpdpbusd` takes the weights as its unsigned operand)."""
     n, k = qweight.shape
-    shifted = (qweight.to(torch.int16) + 128).to(torch.uint8)
+    shifted = qweight.view(torch.uint8) ^ 0x80  # two's complement + 128
     return shifted.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 

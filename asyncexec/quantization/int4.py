@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from asyncexec.ops.packed_linear import INT4_GROUP
+from asyncexec.quantization.int8 import ROWS_AT_ONCE
 
 __all__ = ["INT4_GROUP", "dequantize_int4", "int4_codes", "int4_fits", "quantize_int4"]
 
@@ -39,11 +40,18 @@ def _codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_1 form of an [N, K] weight: codes uint8 [N, K], scales and minimums [K / INT4_GROUP, N] in the
-    weight's dtype (what `ops.int4_gemm.pack` and the kernel take)."""
-    q, d, mn = _codes(weight)
+    weight's dtype (what `ops.int4_gemm.pack` and the kernel take). A few rows at a time: the float32
+    temporaries stay small whatever the weight's size."""
     n, k = weight.shape
-    return (q.to(torch.uint8).reshape(n, k), d.squeeze(-1).t().contiguous().to(weight.dtype),
-            mn.squeeze(-1).t().contiguous().to(weight.dtype))  # fmt: skip
+    q = torch.empty(n, k, dtype=torch.uint8)
+    d = torch.empty(n, k // INT4_GROUP, dtype=weight.dtype)
+    mn = torch.empty_like(d)
+    for start in range(0, n, ROWS_AT_ONCE):
+        rows = slice(start, start + ROWS_AT_ONCE)
+        codes, scale, low = _codes(weight[rows])
+        q[rows] = codes.reshape(-1, k)
+        d[rows], mn[rows] = scale.squeeze(-1), low.squeeze(-1)
+    return q, d.t().contiguous(), mn.t().contiguous()
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -63,8 +63,9 @@ from asyncexec.ops.packed_linear import (
     group_forward,
     linear_forward,
 )
+from asyncexec.quantization.blocked import Release, blocked_int4, blocked_int8
 from asyncexec.quantization.embedding import share_tied_embedding
-from asyncexec.quantization.int4 import int4_codes, int4_fits, quantize_int4
+from asyncexec.quantization.int4 import int4_fits, quantize_int4
 from asyncexec.quantization.int8 import dequantize, quantize_weight
 
 __all__ = [
@@ -135,6 +136,10 @@ def _groups(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
     return found
 
 
+def _keep(w: torch.Tensor) -> None:
+    """The default `release`: nothing to give back."""
+
+
 def _pack(
     w: torch.Tensor,
     quantization: str | None,
@@ -143,22 +148,19 @@ def _pack(
     s: torch.Tensor | None = None,
     lm_head: bool = False,
     plain: bool = False,
+    release: Release = _keep,
 ) -> PackedWeight:
     packed = PackedWeight()
     ours = envs.int8_gemv_enabled()
     if quantization == "int4" and not lm_head and int4_fits(w) and ours and int4_gemm.fits(w):
-        codes, packed.d, packed.mn = int4_codes(w)
-        packed.nibbles = int4_gemm.pack(codes)
-        return packed  # one 4-bit copy serves every step
+        return blocked_int4(w, release)  # one 4-bit copy serves every step
     if quantization == "int4" and not lm_head and int4_fits(w):
         packed.q4, packed.sz, dequantized = quantize_int4(w)
         w = dequantized.to(w.dtype)  # what int4 rows compute with
     elif quantization is not None:  # int8, and int4's lm_head and linears of odd widths
-        packed.inv_s = None if s is None else (1.0 / s).to(w.dtype)
         if ours and int8_gemm.fits(w):  # one int8 copy serves every step, a scale per group (Q8_0)
-            qweight, packed.scales = quantize_weight(w, s, group=int8_gemm.GROUP)
-            packed.blocked = int8_gemm.pack(qweight)
-            return packed
+            return blocked_int8(w, s, release)
+        packed.inv_s = None if s is None else (1.0 / s).to(w.dtype)
         packed.qweight, packed.scales = quantize_weight(w, s)
         packed.gemv = ours and int8_gemv.fits(packed.qweight, packed.scales)
         w = dequantize(packed.qweight, packed.scales, s).to(w.dtype)  # what int8 rows compute with
@@ -268,9 +270,13 @@ def pack_linears(
     quantization: str | None,
     pack_dense: bool = True,
     input_scales: Mapping[torch.nn.Linear, torch.Tensor] | None = None,
+    release: Release | None = None,
 ) -> dict[str, int]:
     """Route every `nn.Linear` of `model` through `asyncexec::packed_linear`; returns what it did.
-    `input_scales`: int8's activation-aware scales per linear (`quantization.int8.activation_scales`)."""
+    `input_scales`: int8's activation-aware scales per linear (`quantization.int8.activation_scales`).
+    `release`: called with each original weight once it is packed (the worker drops its pages from the
+    checkpoint's memory map: the load's peak then holds one weight of it at a time)."""
+    done = release or _keep
     act = input_scales or {}
     if quantization is not None and not envs.int8_gemv_enabled():
         logger.info("ASYNCEXEC_INT8_GEMV=0: int8 steps use PyTorch's _weight_int8pack_mm")
@@ -283,7 +289,8 @@ def pack_linears(
     stats["plain"] = int(layout.plain)
     head_weight = head.weight if isinstance(head, torch.nn.Linear) else None
     for members in _groups(model):
-        _pack_group(members, quantization, layout, act, stats)
+        for w in _pack_group(members, quantization, layout, act, stats):
+            done(w)
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if not isinstance(module, torch.nn.Linear) or not isinstance(weight, torch.nn.Parameter):
@@ -292,10 +299,11 @@ def pack_linears(
         if hasattr(w, "to_local"):  # a DTensor of transformers' tensor parallelism: this rank's shard
             w = w.to_local()
         packed = _pack(w, quantization, layout.pack_dense, layout.upcast, act.get(module),
-                       lm_head=module is head, plain=layout.plain)  # fmt: skip
+                       lm_head=module is head, plain=layout.plain, release=done)  # fmt: skip
         _replace(module, packed)
         stats.count(w, packed)
         stats["linears"] += 1
+        done(w)
     get_embedding = getattr(model, "get_input_embeddings", None)
     if quantization is not None and head_weight is not None and callable(get_embedding):
         assert head is not None
@@ -320,8 +328,9 @@ def _pack_group(
     layout: _Layout,
     act: Mapping[torch.nn.Linear, torch.Tensor],
     stats: _PackStats,
-) -> None:
-    """Sibling linears of one input (q/k/v, gate/up) as one packed weight, each member a slice of it."""
+) -> list[torch.Tensor]:
+    """Sibling linears of one input (q/k/v, gate/up) as one packed weight, each member a slice of it;
+    returns the members' original weights."""
     ws = [m.weight.detach() for m in members]
     s = act.get(members[0])
     shared = all(act.get(m) is s for m in members)  # siblings' scales come from their one input
@@ -344,6 +353,7 @@ def _pack_group(
         stats.count(w, group_packed, w.shape[0] / width)
     stats["linears"] += len(members)
     stats["groups"] += 1
+    return ws
 
 
 def _install(mod: torch.nn.Linear) -> None:

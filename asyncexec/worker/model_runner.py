@@ -27,7 +27,7 @@ from asyncexec.quantization.int8 import activation_scales
 from asyncexec.quantization.pack import check_quantization, pack_linears
 from asyncexec.worker.attention import MIXED_MIN_TOKENS, AttentionMetadata, mixed_step, register_attention
 from asyncexec.worker.input_batch import NULL_BLOCK, InputBatch, PreparedBatch
-from asyncexec.worker.memory import own_weights, trim_heap
+from asyncexec.worker.memory import FileMappings, drop_file_pages, own_weights, trim_heap
 from asyncexec.worker.model_checks import check_architecture, model_max_len
 from asyncexec.worker.prompt_logprobs import PromptLogprobsRows
 from asyncexec.worker.sampler import Sampler
@@ -98,7 +98,7 @@ class ModelRunner:
             self.model.to(self.device)
         self.model.eval()
         self._patch_model(path)
-        own_weights(self.model)  # out of the checkpoint's memory map, which then goes
+        own_weights(self.model)  # out of the checkpoint's memory map (embedding tables: their pages dropped)
         trim_heap()  # the load's bf16 weights, calibration and packing are freed: give the pages back
         bs = self.config.block_size
         self.input_batch = InputBatch(
@@ -120,7 +120,9 @@ class ModelRunner:
         self.model.set_attn_implementation(register_attention())
         cpu = self.device.type == "cpu"
         if cpu and (self.config.quantization or not self.config.enforce_eager):
-            pack_linears(self.model, self.config.quantization, input_scales=self._int8_scales(path))
+            mappings = FileMappings()  # the checkpoint's: each weight's pages go once it is packed
+            pack_linears(self.model, self.config.quantization, input_scales=self._int8_scales(path),
+                         release=lambda w: drop_file_pages(w, mappings))  # fmt: skip
         if cpu and self._cpu_graph_mode():
             from asyncexec.worker.graphs.cpu import CompiledLayers, decoder_layers
 

@@ -7,18 +7,20 @@ compiled decoder layers see as one opaque call and eager forwards call directly:
   constants. Our layer graph is shared by every layer, so weights are graph inputs, not constants, and
   freezing cannot apply; the op reads the packed weight from a registry instead.
 - **int8** (`EngineConfig(quantization="int8")`): every linear, lm_head included, is quantized at load,
-  in each worker after tensor-parallel sharding: symmetric, one scale per output channel, with
-  activation-aware input-channel scales (`quantization.int8`: the input is divided by them). On AVX-512
-  VNNI every step runs asyncexec's int8 GEMM (`int8_gemm`, activations quantized per row and group of 32
-  in the kernel) on the one int8 copy, blocked at load for it: int8 then holds half of bf16's bytes.
-  Elsewhere, steps of at most `INT8_MAX_ROWS` rows (a lone stream, a few streams) run asyncexec's int8
-  GEMV (`int8_gemv`; PyTorch's `aten._weight_int8pack_mm` where it cannot be built), which reads half the
-  bytes of bf16, and bigger steps a packed bf16 copy of the dequantized weights (those kernels are
-  slower than the packed bf16 GEMM from 8 rows up): there int8 trades memory for speed. The KV cache
-  and the logits stay in bf16; int8 needs dtype bfloat16.
+  in each worker after tensor-parallel sharding, symmetric. On AVX-512 VNNI: llama.cpp's Q8_0 (a scale
+  per output channel and group of 32 inputs), quantized straight into asyncexec's int8 GEMM's layout
+  (`quantization.blocked`), one copy that serves every step (`int8_gemm`, activations quantized per row
+  and group of 32 in the kernel). Elsewhere: one scale per output channel with activation-aware
+  input-channel scales (`quantization.int8`: the input is divided by them); steps of at most
+  `INT8_MAX_ROWS` rows (a lone stream, a few streams) run asyncexec's int8 GEMV (`int8_gemv`; PyTorch's
+  `aten._weight_int8pack_mm` where it cannot be built), bigger steps a packed bf16 copy of the
+  dequantized weights (those kernels are slower than the packed bf16 GEMM from 8 rows up): there int8
+  trades memory for speed. The KV cache and the logits stay in bf16; int8 needs dtype bfloat16.
 - **int4** (`quantization="int4"`, `quantization.int4`): Q4_1 blocks of 32 inputs. On AVX-512 VNNI every
   step runs asyncexec's int4 GEMM (`int4_gemm`, W4A8) on the one 4-bit copy; elsewhere PyTorch's int4
   kernel serves up to `INT8_MAX_ROWS` rows and a dense copy more. The lm_head stays int8.
+- **A tied embedding** (int8, int4) reads its rows from the lm_head's int8 weight
+  (`quantization.embedding`): the table is stored once.
 
 - **float32: packed or plain, whichever is faster here.** Which float32 layout multiplies faster depends
   on the CPU: on a 2-core AVX-512 EPYC the packed weights took 0.3-0.77x the time of `nn.Linear`, on a
@@ -61,10 +63,10 @@ from asyncexec.ops.packed_linear import (
     LinearGroup,
     PackedWeight,
     group_forward,
-    linear_forward,
 )
 from asyncexec.quantization.blocked import Release, blocked_int4, blocked_int8
 from asyncexec.quantization.embedding import share_tied_embedding
+from asyncexec.quantization.install import find_groups, replace_linear
 from asyncexec.quantization.int4 import int4_fits, quantize_int4
 from asyncexec.quantization.int8 import dequantize, quantize_weight
 
@@ -108,32 +110,6 @@ def can_pack(dtype: torch.dtype) -> bool:
     if dtype == torch.float16:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     return dtype == torch.float32
-
-
-def _stand_in(weight: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(1, dtype=weight.dtype, device=weight.device).expand(*weight.shape)
-
-
-GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings that read one input
-
-
-def _groups(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
-    """Sibling projections of one input (Llama, Qwen2, Mistral naming), packed as one weight. Not under
-    tensor parallelism (each call has its own wrapper), and only where all or none have a bias."""
-    found = []
-    for mod in model.modules():
-        for names in GROUPS:
-            lins = [getattr(mod, n, None) for n in names]
-            if not all(type(m) is torch.nn.Linear for m in lins):
-                continue
-            members: list[torch.nn.Linear] = lins  # type: ignore[assignment]
-            if (
-                len({m.in_features for m in members}) == 1
-                and len({m.bias is None for m in members}) == 1
-                and all("forward" not in m.__dict__ and not hasattr(m.weight, "to_local") for m in members)
-            ):
-                found.append(members)
-    return found
 
 
 def _keep(w: torch.Tensor) -> None:
@@ -198,18 +174,6 @@ def plain_float32_is_faster(weight: torch.Tensor, reps: int = 9) -> tuple[bool, 
         faster = faster and times[1] < times[0]
         said.append(f"{m} rows {times[1]:.3f} ms plain vs {times[0]:.3f} ms packed")
     return faster, ", ".join(said)
-
-
-def _replace(mod: torch.nn.Linear, packed: PackedWeight) -> None:
-    """The weight becomes the stand-in keying `packed`; the module's forward goes through the op."""
-    w = mod.weight.detach()
-    stand_in = _stand_in(w.to_local() if hasattr(w, "to_local") else w)
-    key = stand_in.data_ptr()
-    REGISTRY[key] = packed
-    weakref.finalize(stand_in, REGISTRY.pop, key, None)
-    del mod.weight  # a tied lm_head only drops its reference: the embedding keeps the tensor
-    mod.register_buffer("weight", stand_in, persistent=False)
-    _install(mod)
 
 
 @dataclass(frozen=True)
@@ -288,7 +252,7 @@ def pack_linears(
         return dict(stats)
     stats["plain"] = int(layout.plain)
     head_weight = head.weight if isinstance(head, torch.nn.Linear) else None
-    for members in _groups(model):
+    for members in find_groups(model):
         for w in _pack_group(members, quantization, layout, act, stats):
             done(w)
     for module in model.modules():
@@ -300,7 +264,7 @@ def pack_linears(
             w = w.to_local()
         packed = _pack(w, quantization, layout.pack_dense, layout.upcast, act.get(module),
                        lm_head=module is head, plain=layout.plain, release=done)  # fmt: skip
-        _replace(module, packed)
+        replace_linear(module, packed)
         stats.count(w, packed)
         stats["linears"] += 1
         done(w)
@@ -345,7 +309,7 @@ def _pack_group(
     weakref.finalize(key, REGISTRY.pop, key.data_ptr(), None)
     width = sum(w.shape[0] for w in ws)
     for mod, w, start in zip(members, ws, starts, strict=True):
-        _replace(mod, PackedWeight(group=group, start=start))
+        replace_linear(mod, PackedWeight(group=group, start=start))
         mod.register_buffer("group_key", key, persistent=False)
         setattr(mod, "group_width", width)  # noqa: B010
         setattr(mod, "group_start", start)  # noqa: B010
@@ -354,21 +318,3 @@ def _pack_group(
     stats["linears"] += len(members)
     stats["groups"] += 1
     return ws
-
-
-def _install(mod: torch.nn.Linear) -> None:
-    """Make the op's `linear_forward` the linear's forward. Under transformers' tensor parallelism the
-    module's forward is a wrapper that makes inputs local, hides a rowwise bias and all-reduces the output
-    around the forward it captured at load: that captured forward is replaced, so the wrapper stays."""
-    ours = types.MethodType(linear_forward, mod)
-    tp_forward = mod.__dict__.get("forward")
-    if tp_forward is None:
-        mod.forward = ours  # type: ignore[method-assign]
-        return
-    cells = dict(zip(tp_forward.__code__.co_freevars, tp_forward.__closure__ or (), strict=True))
-    if "original_forward" not in cells:
-        raise ConfigError(
-            f"cannot pack {type(mod).__name__}: its forward is wrapped by {tp_forward.__qualname__}, which "
-            "asyncexec does not know; use enforce_eager=True and no quantization"
-        )
-    cells["original_forward"].cell_contents = ours

@@ -11,6 +11,7 @@ from asyncexec.ops import int4_gemm
 from asyncexec.ops.packed_linear import INT8_MAX_ROWS, REGISTRY
 from asyncexec.quantization.int4 import dequantize_int4, int4_codes
 from asyncexec.quantization.pack import pack_linears
+from tests.worker.test_int4 import activations_as_the_int4_gemm_quantizes_them
 
 pytestmark = pytest.mark.skipif(not int4_gemm.load(), reason="the int4 GEMM needs AVX-512 VNNI")
 
@@ -18,14 +19,8 @@ G = int4_gemm.GROUP
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The W4A8 product: x quantized per row and group in float32 as the kernel does (the scale's
-    reciprocal times x, rounded half to even), then times the float weight `w` [N, K] in float64."""
-    m, k = x.shape
-    groups = x.float().reshape(m, k // G, G)
-    sx = groups.abs().amax(-1, keepdim=True) / 127
-    sx = torch.where(sx > 0, sx, torch.ones_like(sx))
-    codes = torch.round(groups * (1.0 / sx)).clamp(-127, 127)
-    return (codes.double() * sx.double()).reshape(m, k) @ w.double().t()
+    """The W4A8 product: x quantized as the kernel does, times the float weight `w` [N, K] in float64."""
+    return activations_as_the_int4_gemm_quantizes_them(x) @ w.double().t()
 
 
 def _q4_1(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ import torch
 
 from asyncexec import AsyncEngine, EngineConfig, SamplingParams
 from asyncexec.testing import make_tiny_model
-from asyncexec.worker.memory import own_weights
+from asyncexec.worker.memory import drop_file_pages, own_weights
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +82,10 @@ def test_own_weights_moves_a_mapped_model_into_the_process_and_keeps_ties(checkp
     assert model.lm_head.weight is model.model.embed_tokens.weight
     for n, p in model.named_parameters():
         assert torch.equal(p, values[n])  # the dropped pages read back from the file
+
+
+def test_drop_file_pages_leaves_anonymous_memory_alone() -> None:
+    """Dropped anonymous pages would read back as zeros: only a safetensors mapping's are dropped."""
+    t = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB of the process's own memory
+    assert drop_file_pages(t) == 0
+    assert torch.equal(t, torch.arange(1 << 20, dtype=torch.float32))

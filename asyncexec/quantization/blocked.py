@@ -17,11 +17,13 @@ import torch
 from asyncexec.ops import int4_gemm, int8_gemm
 from asyncexec.ops.packed_linear import PackedWeight
 from asyncexec.quantization.int4 import int4_codes
-from asyncexec.quantization.int8 import ROWS_AT_ONCE, quantize_weight
+from asyncexec.quantization.int8 import quantize_weight
 
 __all__ = ["blocked_int4", "blocked_int8"]
 
 Release = Callable[[torch.Tensor], object]
+
+ROWS_AT_ONCE = 1024  # output channels quantized at a time: float32 temporaries of a few MB
 
 
 def _slices(n: int) -> list[tuple[slice, slice]]:
@@ -32,7 +34,7 @@ def _slices(n: int) -> list[tuple[slice, slice]]:
 
 def blocked_int8(w: torch.Tensor, s: torch.Tensor | None, release: Release) -> PackedWeight:
     """Q8_0 (a scale per channel and group of 32) in `int8_gemm`'s layout; `s`: activation-aware input
-    scales, or None. `int8_gemm.fits(w)` first."""
+    scales, or None. `int8.gemm_serves(w)` first."""
     n, k = w.shape
     g = int8_gemm.GROUP
     packed = PackedWeight(blocked=torch.empty(n // 16, k // 4, 16, 4, dtype=torch.uint8),
@@ -48,7 +50,7 @@ def blocked_int8(w: torch.Tensor, s: torch.Tensor | None, release: Release) -> P
 
 def blocked_int4(w: torch.Tensor, release: Release) -> PackedWeight:
     """Q4_1 (a scale and a minimum per channel and group of 32) in `int4_gemm`'s layout.
-    `int4_gemm.fits(w)` first."""
+    `int4.gemm_serves(w)` first."""
     n, k = w.shape
     g = int4_gemm.GROUP
     packed = PackedWeight(nibbles=torch.empty(n // 16, k // 8, 16, 4, dtype=torch.uint8),

@@ -15,7 +15,9 @@ import types
 
 import torch
 
+from asyncexec.ops import int8_gemm
 from asyncexec.ops.packed_linear import PackedWeight
+from asyncexec.quantization.install import stand_in
 
 __all__ = ["read_rows", "share_tied_embedding"]
 
@@ -23,18 +25,14 @@ __all__ = ["read_rows", "share_tied_embedding"]
 def read_rows(packed: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` (any shape) of the int8 weight `packed` holds, dequantized: [*ids.shape, K]."""
     assert packed.scales is not None
-    if packed.blocked is not None:  # int8_gemm's layout [N / 16, K / 4, 16, 4], w + 128
+    if packed.blocked is not None:  # int8_gemm's layout [N / 16, K / 4, 16, 4], w + 128; scales [K / G, N]
         k = packed.blocked.shape[1] * 4
-        stored = packed.blocked[ids // 16, :, ids % 16, :].reshape(*ids.shape, k)
-        codes = stored.to(torch.int16) - 128  # stored + 128
-    else:
-        assert packed.qweight is not None
-        codes = packed.qweight[ids]
-    if packed.scales.dim() == 2:  # a scale per group of inputs, [K / G, N]
+        stored = packed.blocked[ids // 16, :, ids % 16, :].reshape(*ids.shape, -1, int8_gemm.GROUP)
         per_group = packed.scales.t()[ids].float().unsqueeze(-1)  # [*ids, K / G, 1]
-        rows = (codes.float().reshape(*per_group.shape[:-1], -1) * per_group).reshape(codes.shape)
-    else:
-        rows = codes.float() * packed.scales[ids].float().unsqueeze(-1)
+        rows = ((stored.to(torch.int16) - 128).float() * per_group).reshape(*ids.shape, k)
+    else:  # one scale per row
+        assert packed.qweight is not None
+        rows = packed.qweight[ids].float() * packed.scales[ids].float().unsqueeze(-1)
     if packed.inv_s is not None:
         rows = rows * packed.inv_s.float()
     return rows.to(dtype)
@@ -56,9 +54,8 @@ def share_tied_embedding(embedding: object, head_weight: torch.Tensor, packed: P
         return 0
     w = embedding.weight
     freed = w.numel() * w.element_size()
-    stand_in = torch.zeros(1, dtype=w.dtype).expand(*w.shape)  # shape and dtype for whoever asks
     del embedding.weight
-    embedding.register_buffer("weight", stand_in, persistent=False)
+    embedding.register_buffer("weight", stand_in(w), persistent=False)  # shape and dtype for whoever asks
     embedding.tied_packed = packed  # type: ignore[assignment]
     embedding.tied_dtype = w.dtype  # type: ignore[assignment]
     embedding.forward = types.MethodType(_lookup, embedding)  # type: ignore[method-assign]

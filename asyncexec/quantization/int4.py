@@ -18,9 +18,8 @@ import torch
 from asyncexec import envs
 from asyncexec.ops import int4_gemm
 from asyncexec.ops.packed_linear import INT4_GROUP
-from asyncexec.quantization.int8 import ROWS_AT_ONCE
 
-__all__ = ["INT4_GROUP", "dequantize_int4", "int4_codes", "int4_fits", "quantize_int4"]
+__all__ = ["INT4_GROUP", "dequantize_int4", "gemm_serves", "int4_codes", "int4_fits", "quantize_int4"]
 
 
 def int4_fits(weight: torch.Tensor) -> bool:
@@ -41,20 +40,18 @@ def _codes(weight: torch.Tensor, zero: bool = False) -> tuple[torch.Tensor, torc
     return q, d, mn
 
 
+def gemm_serves(weight: torch.Tensor) -> bool:
+    """Whether asyncexec's int4 GEMM serves this weight here (one 4-bit copy for every step): AVX-512 VNNI,
+    a shape it takes, and not turned off (`ASYNCEXEC_INT8_GEMV=0`). Else PyTorch's kernel and a dense copy."""
+    return envs.int8_gemv_enabled() and weight.dtype == torch.bfloat16 and int4_gemm.fits(weight)
+
+
 def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_1 form of an [N, K] weight: codes uint8 [N, K], scales and minimums [K / INT4_GROUP, N] in the
-    weight's dtype (what `ops.int4_gemm.pack` and the kernel take). A few rows at a time: the float32
-    temporaries stay small whatever the weight's size."""
-    n, k = weight.shape
-    q = torch.empty(n, k, dtype=torch.uint8)
-    d = torch.empty(n, k // INT4_GROUP, dtype=weight.dtype)
-    mn = torch.empty_like(d)
-    for start in range(0, n, ROWS_AT_ONCE):
-        rows = slice(start, start + ROWS_AT_ONCE)
-        codes, scale, low = _codes(weight[rows])
-        q[rows] = codes.reshape(-1, k)
-        d[rows], mn[rows] = scale.squeeze(-1), low.squeeze(-1)
-    return q, d.t().contiguous(), mn.t().contiguous()
+    weight's dtype (what `ops.int4_gemm.pack` and the kernel take)."""
+    q, d, mn = _codes(weight)
+    t = weight.dtype
+    return q.to(torch.uint8).reshape(weight.shape), d.squeeze(-1).t().to(t), mn.squeeze(-1).t().to(t)
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,6 +67,5 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 def dequantize_int4(weight: torch.Tensor) -> torch.Tensor:
     """The float32 weight int4 computes with for `weight` (`q * d + mn`), on the path `pack_linears` takes
     for it here: asyncexec's int4 GEMM where it serves the weight, else PyTorch's kernel."""
-    ours = envs.int8_gemv_enabled() and weight.dtype == torch.bfloat16 and int4_gemm.fits(weight)
-    q, d, mn = _codes(weight, zero=not ours)
+    q, d, mn = _codes(weight, zero=not gemm_serves(weight))
     return (q * d + mn).reshape(weight.shape)

@@ -26,13 +26,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["CALIBRATION_TEXT", "activation_scales", "dequantize", "quantize_weight", "search_scales"]
+from asyncexec import envs
+from asyncexec.ops import int8_gemm
+
+__all__ = [
+    "CALIBRATION_TEXT",
+    "activation_scales",
+    "dequantize",
+    "gemm_serves",
+    "quantize_weight",
+    "search_scales",
+]
 
 logger = logging.getLogger(__name__)
 
 ALPHAS = tuple(i / 10 for i in range(11))
 SAMPLE_ROWS = 128  # calibration rows each linear's search multiplies
-ROWS_AT_ONCE = 1024  # output channels quantized at a time (per-group int8, int4): bounds the load's peak
 
 CALIBRATION_TEXT = (
     "The library opened at nine, and by ten the reading room was full. Students bent over their notes, a "
@@ -125,6 +134,13 @@ def activation_scales(model: Any, model_path: str) -> dict[torch.nn.Linear, torc
     return scales
 
 
+def gemm_serves(weight: torch.Tensor) -> bool:
+    """Whether asyncexec's int8 GEMM serves this weight here (Q8_0, one copy for every step): AVX-512
+    VNNI, a shape it takes, and not turned off (`ASYNCEXEC_INT8_GEMV=0`). Else one scale per channel,
+    activation-aware, with the GEMV and a dense copy."""
+    return envs.int8_gemv_enabled() and int8_gemm.fits(weight)
+
+
 def quantize_weight(
     weight: torch.Tensor, input_scales: torch.Tensor | None = None, group: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,23 +153,15 @@ def quantize_weight(
     The weights are rounded against the scales as the kernel stores them (in the weight's dtype): rounding
     against the exact float32 scales and then storing those in bf16 adds a gain error of up to 0.4% per
     channel (measured on SmolLM2: mean KL to float32 0.0066 that way, 0.0055 this way)."""
-    if group is not None:
-        n, k = weight.shape
-        q = torch.empty(n, k, dtype=torch.int8)
-        scales = torch.empty(n, k // group, dtype=weight.dtype)
-        for start in range(0, n, ROWS_AT_ONCE):  # float32 temporaries of a few MB, not of the whole weight
-            w = weight[start : start + ROWS_AT_ONCE].detach().float()
-            if input_scales is not None:
-                w = w * input_scales
-            blocks = w.reshape(w.shape[0], k // group, group)
-            part = (blocks.abs().amax(dim=2).clamp(min=1e-12) / 127.0).to(weight.dtype)
-            codes = torch.round(blocks / part.float()[..., None]).clamp(-127, 127)
-            q[start : start + ROWS_AT_ONCE] = codes.reshape(w.shape[0], k)
-            scales[start : start + ROWS_AT_ONCE] = part
-        return q, scales.t().contiguous()
     w = weight.detach().float()
     if input_scales is not None:
         w = w * input_scales
+    if group is not None:
+        n, k = w.shape
+        blocks = w.reshape(n, k // group, group)
+        scales = (blocks.abs().amax(dim=2).clamp(min=1e-12) / 127.0).to(weight.dtype)
+        q = torch.round(blocks / scales.float()[..., None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
+        return q, scales.t().contiguous()
     scales = (w.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(weight.dtype)
     q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
     return q, scales

@@ -56,7 +56,7 @@ import torch
 from asyncexec import envs
 from asyncexec.config import QUANTIZATIONS
 from asyncexec.errors import ConfigError
-from asyncexec.ops import int4_gemm, int8_gemm, int8_gemv
+from asyncexec.ops import int8_gemv
 from asyncexec.ops.packed_linear import (
     INT8_MAX_ROWS,
     REGISTRY,
@@ -64,6 +64,7 @@ from asyncexec.ops.packed_linear import (
     PackedWeight,
     group_forward,
 )
+from asyncexec.quantization import int4, int8
 from asyncexec.quantization.blocked import Release, blocked_int4, blocked_int8
 from asyncexec.quantization.embedding import share_tied_embedding
 from asyncexec.quantization.install import find_groups, replace_linear
@@ -127,18 +128,17 @@ def _pack(
     release: Release = _keep,
 ) -> PackedWeight:
     packed = PackedWeight()
-    ours = envs.int8_gemv_enabled()
-    if quantization == "int4" and not lm_head and int4_fits(w) and ours and int4_gemm.fits(w):
+    if quantization == "int4" and not lm_head and int4.gemm_serves(w):
         return blocked_int4(w, release)  # one 4-bit copy serves every step
     if quantization == "int4" and not lm_head and int4_fits(w):
         packed.q4, packed.sz, dequantized = quantize_int4(w)
         w = dequantized.to(w.dtype)  # what int4 rows compute with
     elif quantization is not None:  # int8, and int4's lm_head and linears of odd widths
-        if ours and int8_gemm.fits(w):  # one int8 copy serves every step, a scale per group (Q8_0)
+        if int8.gemm_serves(w):  # one int8 copy serves every step, a scale per group (Q8_0)
             return blocked_int8(w, s, release)
         packed.inv_s = None if s is None else (1.0 / s).to(w.dtype)
         packed.qweight, packed.scales = quantize_weight(w, s)
-        packed.gemv = ours and int8_gemv.fits(packed.qweight, packed.scales)
+        packed.gemv = envs.int8_gemv_enabled() and int8_gemv.fits(packed.qweight, packed.scales)
         w = dequantize(packed.qweight, packed.scales, s).to(w.dtype)  # what int8 rows compute with
     elif upcast:
         packed.small = w.contiguous()

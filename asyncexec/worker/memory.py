@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import ctypes
+import functools
 import mmap
 
 import torch
@@ -27,12 +28,17 @@ __all__ = ["FileMappings", "drop_file_pages", "own_weights", "trim_heap"]
 _MADV_DONTNEED = 4
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def trim_heap() -> None:
     """Give the C heap's free pages back to the OS. glibc keeps freed memory for reuse, so a load whose
     peak (bf16 weights, a calibration forward, packing) was freed still counted as resident; `malloc_trim`
     returns it. A no-op where the C library has no `malloc_trim`."""
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).malloc_trim(0)
+        _libc().malloc_trim(0)
 
 
 class FileMappings:
@@ -71,8 +77,7 @@ def drop_file_pages(t: torch.Tensor, mappings: FileMappings | None = None) -> in
     hi = end // mmap.PAGESIZE * mmap.PAGESIZE
     if hi <= lo:
         return 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) != 0:
+    if _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) != 0:
         return 0
     return hi - lo
 

@@ -22,8 +22,8 @@ import torch
 from asyncexec.config import EngineConfig
 from asyncexec.errors import ConfigError
 from asyncexec.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
-from asyncexec.ops import int8_gemm
 from asyncexec.quantization.int8 import activation_scales
+from asyncexec.quantization.int8 import gemm_serves as int8_gemm_serves
 from asyncexec.quantization.pack import check_quantization, pack_linears
 from asyncexec.worker.attention import MIXED_MIN_TOKENS, AttentionMetadata, mixed_step, register_attention
 from asyncexec.worker.input_batch import NULL_BLOCK, InputBatch, PreparedBatch
@@ -155,7 +155,7 @@ class ModelRunner:
         if self.world_size > 1:
             logger.info("int8 under tensor parallelism: plain per-channel scales (no calibration)")
             return None
-        if all(int8_gemm.fits(m.weight) for m in self.model.modules() if isinstance(m, torch.nn.Linear)):
+        if all(int8_gemm_serves(m.weight) for m in self.model.modules() if isinstance(m, torch.nn.Linear)):
             logger.info("int8 with a scale per group of 32 (Q8_0) needs no calibration")
             return None
         return activation_scales(self.model, path)

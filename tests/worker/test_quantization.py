@@ -14,6 +14,7 @@ from asyncexec.ops.packed_linear import REGISTRY
 from asyncexec.quantization import pack as quantization
 from asyncexec.quantization.int4 import dequantize_int4
 from asyncexec.quantization.int8 import dequantize
+from asyncexec.quantization.int8 import gemm_serves as int8_gemm_serves
 from asyncexec.quantization.pack import INT8_MAX_ROWS, can_pack, pack_linears, quantize_weight
 
 
@@ -165,7 +166,7 @@ def _reference_logprobs(path: Path, ids: list[int], quantization: str) -> torch.
                 if quantization == "int4" and name != "lm_head":
                     mod.weight = torch.nn.Parameter(dequantize_int4(w))
                     continue
-                group = int8_gemm.GROUP if int8_gemm.fits(w) else None  # as pack_linears chooses
+                group = int8_gemm.GROUP if int8_gemm_serves(w) else None  # as pack_linears chooses
                 q, s = quantize_weight(w, group=group)
                 mod.weight = torch.nn.Parameter(dequantize(q, s, None))  # unties a tied lm_head
         logprobs: torch.Tensor = model(torch.tensor([ids])).logits[0].log_softmax(-1)

@@ -12,6 +12,7 @@ import torch
 from asyncexec.ops import int8_gemm
 from asyncexec.ops.packed_linear import REGISTRY
 from asyncexec.quantization.int8 import dequantize
+from asyncexec.quantization.int8 import gemm_serves as int8_gemm_serves
 from asyncexec.quantization.pack import pack_linears
 from asyncexec.testing import make_tiny_model
 
@@ -38,7 +39,7 @@ def test_a_tied_embedding_reads_its_rows_from_the_lm_heads_int8_weight(
     assert stats["embedding_freed"] == table.numel() * table.element_size()
     assert emb.weight.stride() == (0, 0) and emb.weight.untyped_storage().nbytes() == 2  # no table kept
     packed = REGISTRY[head.weight.data_ptr()]
-    assert (packed.blocked is not None) == (vocab % 16 == 0 and int8_gemm.load())
+    assert (packed.blocked is not None) == int8_gemm_serves(table)  # whole blocks of 16, VNNI, not off
     q = int8_gemm.unpack(packed.blocked) if packed.blocked is not None else packed.qweight
     assert q is not None and packed.scales is not None
     ids = torch.tensor([[0, 5, vocab - 1, 17], [3, 3, 200, 1]])

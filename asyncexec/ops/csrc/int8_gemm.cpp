@@ -26,8 +26,6 @@ namespace {
 
 using namespace asyncexec_vnni;
 
-constexpr int kBlockM = 4;  // rows per block
-
 #if defined(CPU_CAPABILITY_AVX512)
 // rows m0 .. m0 + R - 1, output channels 16 * c0 .. 16 * (c0 + NB) - 1
 template <int R, int NB>
@@ -77,18 +75,6 @@ ASYNCEXEC_VNNI inline void block(const Quantized& x, const uint8_t* w, const c10
   }
 }
 
-template <int NB>
-ASYNCEXEC_VNNI inline void column(const Quantized& x, const uint8_t* w, const c10::BFloat16* scale,
-                                  c10::BFloat16* y, int64_t c0, int64_t M, int64_t N, int64_t K) {
-  int64_t m = 0;
-  for (; m + kBlockM <= M; m += kBlockM) block<kBlockM, NB>(x, w, scale, y, m, c0, N, K);
-  switch (M - m) {
-    case 3: block<3, NB>(x, w, scale, y, m, c0, N, K); break;
-    case 2: block<2, NB>(x, w, scale, y, m, c0, N, K); break;
-    case 1: block<1, NB>(x, w, scale, y, m, c0, N, K); break;
-    default: break;
-  }
-}
 #endif
 
 }  // namespace
@@ -104,7 +90,11 @@ extern "C" int asyncexec_int8_gemm(const c10::BFloat16* x, const c10::BFloat16* 
   if (M < 1) return 2;
   const int t = static_cast<int>(threads);
   const Quantized q = quantize_rows(x, inv_s, M, K, t);
-  for_columns([&](auto nb, int64_t c0) { column<decltype(nb)::value>(q, w, scale, y, c0, M, N, K); }, M, N, t);
+  for_columns(
+      [&](auto nb, int64_t c0) {
+        for_rows([&](auto r, int64_t m0) { block<decltype(r)::value, decltype(nb)::value>(q, w, scale, y, m0, c0, N, K); }, M);
+      },
+      M, N, t);
   return 0;
 #else
   return 3;

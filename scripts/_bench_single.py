@@ -39,9 +39,10 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 
 def matmul_floor(model_path: str, reps: int = 50) -> dict[str, Any]:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+    from asyncexec.gguf.file import load_reference_model
+
+    model = load_reference_model(model_path, torch.bfloat16)
     lins = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     xs = {m.in_features: torch.randn(1, m.in_features, dtype=torch.bfloat16) for m in lins}
     times = []

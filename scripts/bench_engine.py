@@ -153,11 +153,11 @@ def run_peer(
         kind = "mp" if peer.startswith("mp") else "uni"
         return uvloop.run(run_engine(model, dtype, kind, work, peer.endswith("eager"), quantization))
     import torch
-    from transformers import AutoModelForCausalLM
 
+    from asyncexec.gguf.file import load_reference_model
     from asyncexec.model_registry import resolve_model
 
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=getattr(torch, dtype)).eval()
+    hf = load_reference_model(resolve_model(model), getattr(torch, dtype))
     pad = hf.generation_config.pad_token_id
     pad = pad if isinstance(pad, int) else 0
     try:
@@ -241,9 +241,9 @@ def _single_child(j: dict[str, Any]) -> dict[str, Any]:
         return single.matmul_floor(resolve_model(j["model"]))
     if kind == "lone":
         return uvloop.run(single.lone_stream(j["model"], cfg, j["streams"], 128))
-    from transformers import AutoTokenizer
+    from asyncexec.gguf.file import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_model(j["model"]))
+    tok = load_tokenizer(resolve_model(j["model"]))
     return uvloop.run(single.batch32(j["model"], cfg, tok))
 
 
@@ -274,8 +274,7 @@ def single_stream(args: argparse.Namespace, model: str, tokenizer: Any) -> None:
 
 
 def prepare_model(args: argparse.Namespace) -> tuple[str, Any, int | None]:
-    from transformers import AutoTokenizer
-
+    from asyncexec.gguf.file import load_tokenizer
     from asyncexec.model_registry import resolve_model
 
     if args.quick:
@@ -285,8 +284,8 @@ def prepare_model(args: argparse.Namespace) -> tuple[str, Any, int | None]:
             progress(f"building {TINY}")
             make_tiny_model(TINY, "llama", **BENCH_MODEL)
         return TINY, None, EOS
-    path = resolve_model(args.model)  # converts a built-in model once, before any peer starts
-    tok = AutoTokenizer.from_pretrained(path)
+    path = resolve_model(args.model)  # a built-in name's GGUF file
+    tok = load_tokenizer(path)
     return args.model, tok, tok.eos_token_id
 
 

@@ -241,13 +241,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from transformers import AutoConfig, AutoTokenizer
-
+    from asyncexec.gguf.file import load_hf_config, load_tokenizer
     from asyncexec.model_registry import resolve_model
 
     path = resolve_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    vocab = AutoConfig.from_pretrained(path).vocab_size
+    tokenizer = load_tokenizer(path)
+    vocab = load_hf_config(path).vocab_size
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
     for name in args.libs:

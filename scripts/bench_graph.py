@@ -162,11 +162,11 @@ async def ttft_engine(job: dict[str, Any]) -> dict[str, Any]:
 
 def ttft_hf(job: dict[str, Any]) -> dict[str, Any]:
     import torch
-    from transformers import AutoModelForCausalLM
 
+    from asyncexec.gguf.file import load_reference_model
     from asyncexec.model_registry import resolve_model
 
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model(job["model"]), dtype=getattr(torch, job["dtype"]))
+    hf = load_reference_model(resolve_model(job["model"]), getattr(torch, job["dtype"]))
     hf.eval()
     res: dict[str, Any] = {}
     with torch.inference_mode():

@@ -3,14 +3,16 @@
 The model: a random-weight llama of Llama-3.2-1B's shape (`--size 3b`: Llama-3.2-3B's), bf16 safetensors,
 written once to `$XDG_CACHE_HOME/asyncexec/scale/llama-1b` (else `~/.cache/...`) and reused. It has no
 tokenizer: every prompt is random token ids, so detokenization is not measured. For each `--quantization`
-config (bf16, int8, int4), in its own process
+config (bf16, int8, int4 from the folder; gguf-q8_0, gguf-q4_0: the same weights written once as a GGUF
+file of that type by `gguf`'s quantizers, served as it ships with dtype "auto"), in its own process
 (`--timeout` seconds at most; one that fails or times out is reported with its error, the others run),
 AsyncEngine uni, graph mode, dtype bfloat16, KV cache 256 MiB, max_model_len 2048, max_num_seqs 32, and
 worker_start_timeout_s `--timeout` (a slow load is measured, not cut off at the default 300 s):
 - resident memory once the engine is ready, before any request (VmRSS, RssAnon, RssFile of
   /proc/self/status), net of the same process after `import torch, asyncexec` and a warm-up matmul; peak:
   VmHWM when ready minus that baseline's VmRSS (VmHWM cannot be reset: it includes the imports);
-- time to ready: `async with AsyncEngine(cfg)` entry, start to ready;
+- time to ready: `async with AsyncEngine(cfg)` entry, start to ready; warm (the compile cache as earlier
+  runs left it) or, with `--cold`, from an empty compile cache (every graph and kernel built anew);
 - a lone greedy stream's inter-token gap p50: 3 streams of 64 tokens from 16-token prompts, one after the
   other, first tokens excluded;
 - output tokens/s of 16 and of 32 concurrent streams (32-token prompts, 64 tokens each, wall time from
@@ -22,8 +24,8 @@ floor is the bytes a lone decode step reads over that bandwidth: the engine's pa
 one-row step (every linear, lm_head included, not the embedding table), read from `REGISTRY` in the engine
 process; estimated from the shape only where they cannot be read (the JSON's `floor_bytes_from`).
 Prints a table and the int8/bf16 and int4/bf16 ratios; writes JSON (bench-results/bench_scale.json).
-Usage: python scripts/bench_engine.py --scale [--size 1b|3b] [--quantization bf16 int8 int4]
-[--timeout S] [--json PATH]
+Usage: python scripts/bench_engine.py --scale [--size 1b|3b] [--quantization bf16 int8 int4 gguf-q8_0 ...]
+[--timeout S] [--cold] [--json PATH]
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import tempfile
 import time
 import timeit
 from typing import Any
@@ -49,6 +52,10 @@ SIZES: dict[str, dict[str, int]] = {
              "num_key_value_heads": 2, "intermediate_size": 512},  # a quick check of the script
 }  # fmt: skip
 CONFIGS: dict[str, str | None] = {"bf16": None, "int8": "int8", "int4": "int4"}
+GGUF: dict[str, str] = {
+    "gguf-q8_0": "Q8_0",
+    "gguf-q4_0": "Q4_0",
+}  # the same model as a GGUF file, served as is
 TOKENS = 64  # each stream's output
 
 
@@ -116,6 +123,21 @@ def one_row_bytes() -> int:
     return total
 
 
+def write_gguf_file(folder: str, path: str, weight_type: str) -> dict[str, Any]:
+    """The bf16 folder's model as a GGUF file of `weight_type` (every 2-D weight, the tied embedding too),
+    quantized by `gguf`'s own quantizers."""
+    import torch
+    import transformers
+
+    from asyncexec.gguf.writer import write_gguf
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    tmp = path + ".partial"
+    write_gguf(model, tmp, weight_type)
+    os.replace(tmp, path)
+    return {"bytes": os.path.getsize(path)}
+
+
 def shape_bytes(size: str, quantization: str | None) -> float:
     """An estimate from the shape: bytes per parameter of bf16 2; int8 1 + a bf16 scale per 32 inputs
     (Q8_0); int4 0.5 + a bf16 scale and minimum per 32 inputs (Q4_1), its lm_head in int8."""
@@ -128,7 +150,8 @@ def shape_bytes(size: str, quantization: str | None) -> float:
 
 
 async def measure(model: str, quantization: str | None, timeout: float, r: dict[str, Any]) -> None:
-    """Fills `r` as it goes, so a failure keeps what was measured before it. `timeout`: the load's limit."""
+    """Fills `r` as it goes, so a failure keeps what was measured before it. `timeout`: the load's limit.
+    A GGUF file loads with dtype "auto": its quantized tensors as they ship, bf16 activations."""
     import torch
 
     import asyncexec.worker.model_runner as runner
@@ -145,7 +168,8 @@ async def measure(model: str, quantization: str | None, timeout: float, r: dict[
 
     runner.pack_linears = spy  # type: ignore[attr-defined]
     cfg = EngineConfig(
-        model=model, executor="uni", dtype="bfloat16", quantization=quantization,  # type: ignore[arg-type]
+        model=model, executor="uni", dtype="auto" if model.endswith(".gguf") else "bfloat16",
+        quantization=quantization,  # type: ignore[arg-type]
         max_model_len=2048, max_num_batched_tokens=2048, max_num_seqs=32, kv_cache_memory_bytes=256 * MiB,
         worker_start_timeout_s=timeout,
     )  # fmt: skip
@@ -181,13 +205,15 @@ async def measure(model: str, quantization: str | None, timeout: float, r: dict[
 def _child(j: dict[str, Any]) -> dict[str, Any]:
     if "write" in j:
         return write_model(j["path"], j["write"])
+    if "write_gguf" in j:
+        return write_gguf_file(j["folder"], j["path"], j["write_gguf"])
     if "bandwidth" in j:
         return bandwidth()
     import uvloop
 
     r: dict[str, Any] = {}
     try:
-        uvloop.run(measure(j["model"], CONFIGS[j["config"]], j["timeout"], r))
+        uvloop.run(measure(j["model"], CONFIGS.get(j["config"]), j["timeout"], r))
     except Exception as e:  # reported, with what was measured before it
         r["error"] = f"{type(e).__name__}: {e}"
     return r
@@ -197,7 +223,10 @@ def add_floor(r: dict[str, Any], size: str, config: str, gbs: float) -> None:
     if "one_row_bytes" in r:
         r["floor_bytes"], r["floor_bytes_from"] = r["one_row_bytes"], "the engine's packed weights"
     else:
-        r["floor_bytes"], r["floor_bytes_from"] = shape_bytes(size, CONFIGS[config]), "estimate from shape"
+        r["floor_bytes"], r["floor_bytes_from"] = (
+            shape_bytes(size, CONFIGS.get(config)),
+            "estimate from shape",
+        )
     r["floor_ms"] = ratio(r["floor_bytes"], gbs * 1e9) * 1e3
     r["gap_over_floor"] = ratio(r.get("gap_p50_ms"), r["floor_ms"])
     r["peak_over_resident"] = ratio(r.get("peak_mib"), r.get("resident_mib"))
@@ -207,7 +236,7 @@ def ratios(res: dict[str, dict[str, Any]]) -> dict[str, float]:
     out = {}
     keys = {"resident memory": "resident_mib", "16-stream tok/s": "tok_s_16", "32-stream tok/s": "tok_s_32",
             "TTFT-1024": "ttft_1024_ms"}  # fmt: skip
-    for q in ("int8", "int4"):
+    for q in ("int8", "int4", *GGUF):
         for label, k in keys.items():
             out[f"{q}/bf16 {label}"] = ratio(res.get(q, {}).get(k), res.get("bf16", {}).get(k))
     for name, r in res.items():
@@ -244,8 +273,12 @@ def main(argv: list[str] | None = None) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
     ap = argparse.ArgumentParser(prog="bench_engine.py --scale", description=__doc__, formatter_class=fmt)
     ap.add_argument("--size", default="1b", help="1b (default) or 3b: Llama-3.2's shape")
-    ap.add_argument("--quantization", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    choices = [*CONFIGS, *GGUF]
+    ap.add_argument("--quantization", nargs="+", default=choices, choices=choices,
+                    help="bf16, int8, int4 (the bf16 folder); gguf-q8_0, gguf-q4_0 (it as GGUF)")  # fmt: skip
     ap.add_argument("--timeout", type=float, default=1500, help="seconds per config's process (default 1500)")
+    ap.add_argument("--cold", action="store_true",
+                    help="each config starts with an empty compile cache (all built anew)")  # fmt: skip
     ap.add_argument("--json", default="bench-results/bench_scale.json")
     ap.add_argument("--job", help=argparse.SUPPRESS)  # internal: run one job, write its result
     args = ap.parse_args(argv)
@@ -271,10 +304,21 @@ def main(argv: list[str] | None = None) -> None:
         "prompts": "random token ids, no tokenizer (no detokenization)", "bandwidth": bw, "results": {},
     }  # fmt: skip
     for name in args.quantization:
+        model = path
+        if name in GGUF:
+            model = f"{path}-{GGUF[name]}.gguf"
+            if not os.path.isfile(model):
+                progress(f"writing {model} (once; own process)")
+                job = {"write_gguf": GGUF[name], "folder": path, "path": model}
+                done = run_isolated(__file__, job, timeout=args.timeout)
+                if "error" in done:
+                    raise SystemExit(f"could not write {model}: {done['error']}")
         progress(f"{name} (own process, at most {args.timeout:.0f} s)")
-        r = run_isolated(
-            __file__, {"model": path, "config": name, "timeout": args.timeout}, timeout=args.timeout
-        )
+        with tempfile.TemporaryDirectory() as empty:
+            env = {"TORCHINDUCTOR_CACHE_DIR": empty} if args.cold else None
+            job = {"model": model, "config": name, "timeout": args.timeout}
+            r = run_isolated(__file__, job, env=env, timeout=args.timeout)
+        r["compile_cache"] = "empty (cold)" if args.cold else "as left by earlier runs (warm)"
         add_floor(r, args.size, name, float(bw.get("gbs", float("nan"))))
         out["results"][name] = r
         progress(f"{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in r.items() if isinstance(v, float)))

@@ -386,11 +386,10 @@ def prepare_model(args: argparse.Namespace) -> tuple[str, list[int] | None]:
             progress(f"building {TINY}")
             make_tiny_model(TINY, "llama", **BENCH_MODEL)
         return TINY, None
-    from transformers import AutoTokenizer
-
+    from asyncexec.gguf.file import load_tokenizer
     from asyncexec.model_registry import resolve_model
 
-    tok = AutoTokenizer.from_pretrained(resolve_model(args.model))  # converts a built-in model once
+    tok = load_tokenizer(resolve_model(args.model))
     return args.model, tok.encode(TEXT * 4, add_special_tokens=False)
 
 

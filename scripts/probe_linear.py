@@ -40,15 +40,14 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 32, 512])
     args = ap.parse_args()
-    from transformers import AutoModelForCausalLM
-
+    from asyncexec.gguf.file import load_reference_model
     from asyncexec.model_registry import resolve_model
     from asyncexec.ops import int8_gemm, int8_gemv
     from asyncexec.quantization.int4 import INT4_GROUP, quantize_int4
     from asyncexec.quantization.pack import can_pack, quantize_weight
 
     dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=dtype)
+    model = load_reference_model(resolve_model(args.model), dtype)
     lins = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     print(f"{len(lins)} linears, {sum(m.weight.numel() for m in lins) / 1e6:.1f} M weights, {args.dtype}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip

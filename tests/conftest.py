@@ -104,10 +104,11 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int | Sequence[int]) -> list[list[int]]:
-    """`model.generate(do_sample=False)` in float32, one prompt at a time (it stops at EOS)."""
-    from transformers import AutoModelForCausalLM
+    """`model.generate(do_sample=False)` in float32, one prompt at a time (it stops at EOS); a GGUF file
+    through transformers' own GGUF load."""
+    from asyncexec.gguf.file import load_reference_model
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = load_reference_model(str(path), torch.float32)
     refs = []
     limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     for p, limit in zip(prompts, limits, strict=True):

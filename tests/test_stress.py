@@ -141,11 +141,13 @@ def test_the_stress_defaults_fit_the_built_in_model() -> None:
     from asyncexec.model_registry import resolve_model
     from asyncexec.stress import default_kv_blocks, model_facts, stress_config
 
-    facts = model_facts("smollm2")
+    assert model_facts("smollm2").dtype == "bfloat16"  # "auto": its GGUF file as it ships
+    facts = model_facts("smollm2", "float32")
     assert facts.folder == resolve_model("smollm2")
     assert (facts.num_layers, facts.num_kv_heads, facts.head_dim, facts.dtype) == (30, 3, 64, "float32")
     ns = _stress_ns("--model", "smollm2")
     config = stress_config(ns)
+    assert config.dtype == "float32", "a GGUF file is stressed in float32, where the greedy check holds"
     assert config.executor_kind == "mp" and config.world_size == 1
     assert 9 % config.world_size == 0 and 3 % config.world_size == 0
     block = 30 * 2 * 16 * 3 * 64 * 4

@@ -215,11 +215,14 @@ def _prompt_list(values: list[_V | None], req: Request, sp: SamplingParams) -> l
 
 
 def load_tokenizer(path: str | None) -> Any:
-    """The model folder's tokenizer, or None when it has none (prompts must then be token ids)."""
+    """The model folder's or GGUF file's tokenizer, or None when it has none (prompts must then be token
+    ids)."""
+    if path is None:
+        return None
     try:
-        from transformers import AutoTokenizer
+        from asyncexec.gguf.file import load_tokenizer as load
 
-        return AutoTokenizer.from_pretrained(path)
+        return load(path)
     except (OSError, ValueError) as e:
         logger.info("no tokenizer in %s (%s); prompts must be token ids", path, e)
         return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -28,6 +29,7 @@ from asyncexec.engine import AsyncEngine
 from asyncexec.entrypoints.guards import APIKeyGuard, HostGuard, loopback_hosts
 from asyncexec.entrypoints.protocol import DEFAULT_MAX_REQUEST_BYTES
 from asyncexec.entrypoints.serving import OpenAIServing
+from asyncexec.gguf.file import is_gguf
 
 __all__ = ["OpenAIServing", "build_app", "run_server"]
 
@@ -81,6 +83,8 @@ def build_app(
 
 def _default_name(config: EngineConfig) -> str:
     assert config.model is not None
+    if is_gguf(config.model):
+        return Path(config.model).stem  # a GGUF file: its name without the folder and suffix
     return config.model  # vLLM's default: the --model argument as given
 
 

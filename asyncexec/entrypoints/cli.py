@@ -35,14 +35,17 @@ class UsageError(Exception):
 
 
 def _check_model_dir(path: str) -> None:
+    from asyncexec.gguf.file import is_gguf
     from asyncexec.model_registry import builtin_model, builtin_names
 
     if builtin_model(path) is not None and not os.path.isdir(path):
-        return  # a built-in name: converted (once) when the engine starts
+        return  # a built-in name: its GGUF file, found when the engine starts
+    if is_gguf(path) and os.path.isfile(path):
+        return  # the engine checks the file itself, before any worker starts
     if not os.path.isdir(path):
         raise UsageError(
-            f"model {path!r} is neither a folder nor a built-in model ({', '.join(builtin_names())}); "
-            "make a tiny one with `asyncexec make-model DIR`"
+            f"model {path!r} is neither a folder, a GGUF file nor a built-in model "
+            f"({', '.join(builtin_names())}); make a tiny one with `asyncexec make-model DIR`"
         )
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise UsageError(f"model folder {path!r} has no config.json: not a Hugging Face model folder")

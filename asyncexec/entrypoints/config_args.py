@@ -88,7 +88,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, default_model: str | Non
         if conv is not None:
             kw["type"] = conv
         if f.name == "model":
-            kw["metavar"] = "DIR|NAME"
+            kw["metavar"] = "DIR|FILE.gguf|NAME"
             if default_model is not None:
                 kw["default"] = default_model
         flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, ())]

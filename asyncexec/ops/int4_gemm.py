@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from asyncexec.ops.build import CSRC, CppKernel
+from asyncexec.ops.int8_gemm import SCALE_DTYPES
 
 __all__ = ["GROUP", "fits", "int4_gemm", "load", "pack", "run", "unpack"]
 
@@ -41,7 +42,7 @@ def load() -> bool:
     global _fn
     _fn = _KERNEL.load_function(
         "asyncexec_int4_gemm",
-        [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4,
+        [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5,
         "no AVX-512 VNNI on this CPU: int4 steps of more than a few rows use a dense copy",
     )
     return _fn is not None
@@ -68,32 +69,41 @@ def unpack(blocked: torch.Tensor) -> torch.Tensor:
     return q.permute(0, 2, 1, 3, 4).reshape(nb * 16, k8 * 8)
 
 
-def int4_gemm(x: torch.Tensor, blocked: torch.Tensor, d: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+def int4_gemm(
+    x: torch.Tensor, blocked: torch.Tensor, d: torch.Tensor, mn: torch.Tensor | None
+) -> torch.Tensor:
     """`x @ (q * d + mn).T` with `x` quantized to int8 (per row and `GROUP`): bf16 [M, K] in, bf16 [M, N]
-    out; `blocked = pack(q)`; `d`, `mn` bf16 [K / GROUP, N]. Checked (`fits` first)."""
+    out; `blocked = pack(q)`; `d`, `mn` [K / GROUP, N], bf16 or fp16 (as a GGUF file ships them); `mn`
+    None: Q4_0's symmetric codes, `mn = -8 * d`. Checked (`fits` first)."""
     assert _fn is not None, "int4_gemm.load() first"
     k = x.shape[1]
     n = blocked.shape[0] * 16
-    if not (x.dtype == d.dtype == mn.dtype == torch.bfloat16 and blocked.dtype == torch.uint8):
+    same = mn is None or mn.dtype == d.dtype
+    if not (x.dtype == torch.bfloat16 and d.dtype in SCALE_DTYPES and same and blocked.dtype == torch.uint8):
         raise ValueError(
-            f"int4_gemm takes bf16 rows, scales and minimums and uint8 codes, got {x.dtype}, {d.dtype}, "
-            f"{mn.dtype} and {blocked.dtype}"
+            f"int4_gemm takes bf16 rows, bf16 or fp16 scales and minimums of one type and uint8 codes, got "
+            f"{x.dtype}, {d.dtype}, {None if mn is None else mn.dtype} and {blocked.dtype}"
         )
-    if blocked.shape[1:] != (k // 8, 16, 4) or d.shape != (k // GROUP, n) or mn.shape != d.shape:
+    if (
+        blocked.shape[1:] != (k // 8, 16, 4)
+        or d.shape != (k // GROUP, n)
+        or (mn is not None and mn.shape != d.shape)
+    ):
+        minimums = None if mn is None else tuple(mn.shape)
         raise ValueError(f"int4_gemm: x {tuple(x.shape)}, weight {tuple(blocked.shape)}, scales "
-                         f"{tuple(d.shape)}, minimums {tuple(mn.shape)} do not fit")  # fmt: skip
-    return run(x.contiguous(), blocked, d.contiguous(), mn.contiguous())
+                         f"{tuple(d.shape)}, minimums {minimums} do not fit")  # fmt: skip
+    return run(x.contiguous(), blocked, d.contiguous(), None if mn is None else mn.contiguous())
 
 
-def run(x: torch.Tensor, blocked: torch.Tensor, d: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+def run(x: torch.Tensor, blocked: torch.Tensor, d: torch.Tensor, mn: torch.Tensor | None) -> torch.Tensor:
     """The call without `int4_gemm`'s checks, for the hot path (operands `fits` admitted at load)."""
     m, k = x.shape
     n = d.shape[1]
     y = torch.empty(m, n, dtype=x.dtype)
     if m == 0:
         return y
-    rc = _fn(x.data_ptr(), blocked.data_ptr(), d.data_ptr(), mn.data_ptr(), y.data_ptr(), m, n, k,
-             torch.get_num_threads())  # fmt: skip
+    rc = _fn(x.data_ptr(), blocked.data_ptr(), d.data_ptr(), None if mn is None else mn.data_ptr(),
+             y.data_ptr(), m, n, k, torch.get_num_threads(), d.dtype == torch.float16)  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"int4_gemm kernel failed with code {rc} (x {tuple(x.shape)})")
     return y

@@ -22,11 +22,12 @@ import torch
 
 from asyncexec.ops.build import CSRC, CppKernel
 
-__all__ = ["GROUP", "fits", "int8_gemm", "load", "pack", "run", "unpack"]
+__all__ = ["GROUP", "SCALE_DTYPES", "fits", "int8_gemm", "load", "pack", "run", "unpack"]
 
 logger = logging.getLogger(__name__)
 
 GROUP = 32  # inputs per activation scale (the kernel's kGroup)
+SCALE_DTYPES = (torch.bfloat16, torch.float16)  # the weight scales' types the kernel reads
 
 _KERNEL = CppKernel(
     CSRC / "int8_gemm.cpp",
@@ -42,7 +43,7 @@ def load() -> bool:
     global _fn
     _fn = _KERNEL.load_function(
         "asyncexec_int8_gemm",
-        [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4,
+        [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5,
         "no AVX-512 VNNI on this CPU: int8 steps of more than a few rows use a dense copy",
     )
     return _fn is not None
@@ -73,13 +74,13 @@ def int8_gemm(
     x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor, inv_s: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`(x * inv_s) @ W.T` with `x` quantized to int8 (per row and `GROUP`) and `W` the int8 `qweight`
-    times `scales` [K / GROUP, N] per output channel and group of inputs (Q8_0): bf16 [M, K] in, bf16
-    [M, N] out; `blocked = pack(qweight)`; `inv_s` [K] (bf16) the inverses of the activation-aware
-    input scales, or None. Checked (`fits` first)."""
+    times `scales` [K / GROUP, N] per output channel and group of inputs (Q8_0; bf16, or fp16 as a GGUF
+    file ships them): bf16 [M, K] in, bf16 [M, N] out; `blocked = pack(qweight)`; `inv_s` [K] (bf16)
+    the inverses of the activation-aware input scales, or None. Checked (`fits` first)."""
     assert _fn is not None, "int8_gemm.load() first"
     k = x.shape[1]
     n = blocked.shape[0] * 16
-    if not (x.dtype == scales.dtype == torch.bfloat16 and blocked.dtype == torch.uint8):
+    if not (x.dtype == torch.bfloat16 and scales.dtype in SCALE_DTYPES and blocked.dtype == torch.uint8):
         raise ValueError(f"int8_gemm takes bf16 rows and scales and packed weights, got {x.dtype}, "
                          f"{scales.dtype} and {blocked.dtype}")  # fmt: skip
     if blocked.shape[1:] != (k // 4, 16, 4) or scales.shape != (k // GROUP, n):
@@ -101,7 +102,7 @@ def run(
         return y
     inv = None if inv_s is None else inv_s.data_ptr()
     rc = _fn(x.data_ptr(), inv, blocked.data_ptr(), scales.data_ptr(), y.data_ptr(), m, n, k,
-             torch.get_num_threads())  # fmt: skip
+             torch.get_num_threads(), scales.dtype == torch.float16)  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"int8_gemm kernel failed with code {rc} (x {tuple(x.shape)})")
     return y

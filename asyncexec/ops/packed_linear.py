@@ -48,8 +48,8 @@ class PackedWeight:
     q4: torch.Tensor | None = None  # int4: PyTorch's kernel's packed weight (with a dense copy)
     sz: torch.Tensor | None = None  # int4: scales and zeros [K / INT4_GROUP, N, 2], in dtype
     nibbles: torch.Tensor | None = None  # int4 in `int4_gemm`'s layout: serves every step (no dense copy)
-    d: torch.Tensor | None = None  # int4 (`int4_gemm`): scales [K / INT4_GROUP, N], in dtype
-    mn: torch.Tensor | None = None  # int4 (`int4_gemm`): minimums [K / INT4_GROUP, N], in dtype
+    d: torch.Tensor | None = None  # int4 (`int4_gemm`): scales [K / INT4_GROUP, N], bf16 (or a GGUF's fp16)
+    mn: torch.Tensor | None = None  # int4 (`int4_gemm`): minimums, as d; None with d: Q4_0's -8 d
     bias: torch.Tensor | None = None  # a group's concatenated bias (a lone linear's comes with the call)
     group: LinearGroup | None = None  # set on a member of a group: its columns of the group's output start
     start: int = 0  # at `start` (and are as many as its stand-in weight's rows)
@@ -95,7 +95,7 @@ def _matmul(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None) -> torc
         y = int8_gemm.run(x2.contiguous(), p.blocked, p.scales, p.inv_s)
         return y if bias is None else y + bias
     if p.nibbles is not None:  # int4 on AVX-512 VNNI: the same
-        assert p.d is not None and p.mn is not None
+        assert p.d is not None  # mn None: Q4_0's symmetric codes
         y = int4_gemm.run(x2.contiguous(), p.nibbles, p.d, p.mn)
         return y if bias is None else y + bias
     if p.dense is None or x2.shape[0] <= INT8_MAX_ROWS:

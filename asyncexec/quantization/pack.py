@@ -49,7 +49,7 @@ import types
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -65,8 +65,15 @@ from asyncexec.ops.packed_linear import (
     group_forward,
 )
 from asyncexec.quantization import int4, int8
-from asyncexec.quantization.blocked import Release, blocked_int4, blocked_int8
-from asyncexec.quantization.embedding import share_tied_embedding
+from asyncexec.quantization.blocked import (
+    Release,
+    RowSource,
+    blocked_int4,
+    blocked_int8,
+    int4_from,
+    int8_from,
+)
+from asyncexec.quantization.embedding import read_from, share_tied_embedding
 from asyncexec.quantization.install import find_groups, replace_linear
 from asyncexec.quantization.int4 import int4_fits, quantize_int4
 from asyncexec.quantization.int8 import dequantize, quantize_weight
@@ -111,6 +118,13 @@ def can_pack(dtype: torch.dtype) -> bool:
     if dtype == torch.float16:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     return dtype == torch.float32
+
+
+class SourceLike(RowSource, Protocol):
+    """A quantized source with its form: "int4" or "int8" (`gguf.weights.GGUFWeight`)."""
+
+    @property
+    def form(self) -> str: ...
 
 
 def _keep(w: torch.Tensor) -> None:
@@ -235,13 +249,17 @@ def pack_linears(
     pack_dense: bool = True,
     input_scales: Mapping[torch.nn.Linear, torch.Tensor] | None = None,
     release: Release | None = None,
+    sources: Mapping[torch.nn.Module, SourceLike] | None = None,
 ) -> dict[str, int]:
     """Route every `nn.Linear` of `model` through `asyncexec::packed_linear`; returns what it did.
     `input_scales`: int8's activation-aware scales per linear (`quantization.int8.activation_scales`).
     `release`: called with each original weight once it is packed (the worker drops its pages from the
-    checkpoint's memory map: the load's peak then holds one weight of it at a time)."""
+    checkpoint's memory map: the load's peak then holds one weight of it at a time).
+    `sources`: weights already quantized (a GGUF file's, `gguf.loader`), by module: those linears (and
+    embeddings) take them as they are, whatever `quantization` says of the others."""
     done = release or _keep
     act = input_scales or {}
+    kept = dict(sources or {})
     if quantization is not None and not envs.int8_gemv_enabled():
         logger.info("ASYNCEXEC_INT8_GEMV=0: int8 steps use PyTorch's _weight_int8pack_mm")
     stats = _PackStats()
@@ -253,8 +271,12 @@ def pack_linears(
     stats["plain"] = int(layout.plain)
     head_weight = head.weight if isinstance(head, torch.nn.Linear) else None
     for members in find_groups(model):
-        for w in _pack_group(members, quantization, layout, act, stats):
-            done(w)
+        if {m in kept for m in members} == {True} and len({kept[m].form for m in members}) == 1:
+            _pack_group(members, quantization, layout, act, stats, kept)
+        elif not any(m in kept for m in members):
+            for w in _pack_group(members, quantization, layout, act, stats):
+                done(w)
+    packed_sources: dict[int, PackedWeight] = {}
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if not isinstance(module, torch.nn.Linear) or not isinstance(weight, torch.nn.Parameter):
@@ -262,21 +284,29 @@ def pack_linears(
         w = weight.detach()
         if hasattr(w, "to_local"):  # a DTensor of transformers' tensor parallelism: this rank's shard
             w = w.to_local()
-        packed = _pack(w, quantization, layout.pack_dense, layout.upcast, act.get(module),
-                       lm_head=module is head, plain=layout.plain, release=done)  # fmt: skip
+        if module in kept:
+            packed = packed_sources[id(kept[module])] = _pack_source(kept[module])
+        else:
+            packed = _pack(w, quantization, layout.pack_dense, layout.upcast, act.get(module),
+                           lm_head=module is head, plain=layout.plain, release=done)  # fmt: skip
         replace_linear(module, packed)
         stats.count(w, packed)
         stats["linears"] += 1
         done(w)
     get_embedding = getattr(model, "get_input_embeddings", None)
-    if quantization is not None and head_weight is not None and callable(get_embedding):
+    embedding = get_embedding() if callable(get_embedding) else None
+    if isinstance(embedding, torch.nn.Embedding) and embedding in kept:  # a GGUF file's quantized table
+        src = kept[embedding]
+        tied = packed_sources.get(id(src))
+        stats["embedding_freed"] = read_from(embedding, tied if tied is not None else _pack_source(src))
+    elif quantization is not None and head_weight is not None and callable(get_embedding):
         assert head is not None
         freed = share_tied_embedding(get_embedding(), head_weight, REGISTRY[head.weight.data_ptr()])
         if freed:
             stats["embedding_freed"] = freed
             logger.info("the tied embedding reads its rows from the lm_head's int8 weight: %.1f MiB freed",
                         freed / 2**20)  # fmt: skip
-    if stats["linears"] == 0 and quantization is not None:
+    if stats["linears"] == 0 and quantization is not None and not kept:
         raise ConfigError(
             f"quantization={quantization!r}: {type(model).__name__} has no nn.Linear to quantize"
         )
@@ -286,20 +316,34 @@ def pack_linears(
     return dict(stats)
 
 
+def _pack_source(src: SourceLike) -> PackedWeight:
+    """A weight already quantized, in its GEMM's layout (`gguf.weights` says which serve here)."""
+    packed = int4_from(src) if src.form == "int4" else int8_from(src)
+    src.done()
+    return packed
+
+
 def _pack_group(
     members: list[torch.nn.Linear],
     quantization: str | None,
     layout: _Layout,
     act: Mapping[torch.nn.Linear, torch.Tensor],
     stats: _PackStats,
+    kept: Mapping[torch.nn.Module, SourceLike] | None = None,
 ) -> list[torch.Tensor]:
     """Sibling linears of one input (q/k/v, gate/up) as one packed weight, each member a slice of it;
-    returns the members' original weights."""
+    returns the members' original weights. `kept`: the members' quantized sources, stacked."""
     ws = [m.weight.detach() for m in members]
     s = act.get(members[0])
     shared = all(act.get(m) is s for m in members)  # siblings' scales come from their one input
-    group_packed = _pack(torch.cat(ws), quantization, layout.pack_dense, layout.upcast,
-                         s if shared else None, plain=layout.plain)  # fmt: skip
+    if kept is not None:
+        from asyncexec.gguf.weights import StackedWeight
+
+        parts: list[Any] = [kept[m] for m in members]  # gguf.weights.GGUFWeight
+        group_packed = _pack_source(StackedWeight(parts))
+    else:
+        group_packed = _pack(torch.cat(ws), quantization, layout.pack_dense, layout.upcast,
+                             s if shared else None, plain=layout.plain)  # fmt: skip
     if members[0].bias is not None:
         group_packed.bias = torch.cat([m.bias.detach() for m in members if m.bias is not None])
     starts = [sum(w.shape[0] for w in ws[:i]) for i in range(len(ws))]

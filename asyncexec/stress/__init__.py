@@ -130,23 +130,20 @@ class ModelFacts:
 
 
 def model_facts(model: str, dtype: str = "auto") -> ModelFacts:
-    """The facts of `model` (a folder or a built-in name, converted first if needed), loaded in `dtype`."""
-    import transformers
-
+    """The facts of `model` (a folder, a GGUF file or a built-in name), loaded in `dtype`."""
+    from asyncexec.gguf.file import load_hf_config
     from asyncexec.model_registry import resolve_model
-    from asyncexec.worker.model_checks import SPLIT_DIMS
+    from asyncexec.worker.model_checks import SPLIT_DIMS, auto_dtype
 
     folder = resolve_model(model)
     try:
-        hf = transformers.AutoConfig.from_pretrained(folder)
+        hf = load_hf_config(folder)
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read the model config in {folder!r}: {e}") from e
     text = hf.get_text_config()
     heads = int(text.num_attention_heads)
     if dtype == "auto":  # as the workers resolve it (ModelRunner._dtype)
-        found = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
-        dtype = str(found).removeprefix("torch.") if found is not None else "float32"
-        dtype = dtype if dtype in _ELEMENT_BYTES else "float32"
+        dtype = auto_dtype(folder, hf)
     dims = {n: getattr(text, n) for n in SPLIT_DIMS if isinstance(getattr(text, n, None), int)}
     return ModelFacts(
         folder=folder,
@@ -185,11 +182,18 @@ def stress_config(ns: argparse.Namespace) -> EngineConfig:
 
     if getattr(ns, "model", None) is None:
         raise ConfigError("the stress run needs a model")
-    facts = model_facts(ns.model, getattr(ns, "dtype", "auto"))
+    from asyncexec.gguf.file import is_gguf
+    from asyncexec.model_registry import resolve_model
+
+    # a GGUF file (the built-in model's too) runs in float32 unless --dtype says otherwise: its default,
+    # the file as it ships in bf16, would turn the greedy check off
+    dtype = getattr(ns, "dtype", None) or ("float32" if is_gguf(resolve_model(ns.model)) else "auto")
+    facts = model_facts(ns.model, dtype)
     world_size = getattr(ns, "tensor_parallel_size", None) or (2 if facts.can_split(2) else 1)
     block_size = getattr(ns, "block_size", EngineConfig.block_size)
     num_blocks = default_kv_blocks(ns, block_size)
     defaults: dict[str, Any] = {
+        "dtype": dtype,
         "executor": "mp",
         "tensor_parallel_size": world_size,
         "kv_cache_memory_bytes": num_blocks * facts.kv_block_bytes(block_size, world_size),

@@ -23,7 +23,7 @@ import mmap
 
 import torch
 
-__all__ = ["FileMappings", "drop_file_pages", "own_weights", "trim_heap"]
+__all__ = ["FileMappings", "drop_file_pages", "drop_range", "own_weights", "trim_heap"]
 
 _MADV_DONTNEED = 4
 
@@ -41,8 +41,12 @@ def trim_heap() -> None:
         _libc().malloc_trim(0)
 
 
+MAPPED_WEIGHTS = (".safetensors", ".gguf")  # checkpoint files whose mappings hold weights
+
+
 class FileMappings:
-    """This process's private mappings of safetensors files, read once from /proc/self/maps."""
+    """This process's mappings of checkpoint files (`MAPPED_WEIGHTS`) that it cannot write: private
+    (transformers' safetensors) or read-only (gguf's memory map); read once from /proc/self/maps."""
 
     def __init__(self) -> None:
         self.ranges: list[tuple[int, int]] = []
@@ -51,8 +55,8 @@ class FileMappings:
                 fields = line.split(maxsplit=5)
                 if (
                     len(fields) == 6
-                    and fields[1].endswith("p")
-                    and fields[5].strip().endswith(".safetensors")
+                    and (fields[1].endswith("p") or fields[1][1] == "-")
+                    and fields[5].strip().endswith(MAPPED_WEIGHTS)
                 ):
                     lo, hi = (int(a, 16) for a in fields[0].split("-"))
                     self.ranges.append((lo, hi))
@@ -64,14 +68,18 @@ class FileMappings:
 
 
 def drop_file_pages(t: torch.Tensor, mappings: FileMappings | None = None) -> int:
-    """Drop from this process the whole pages of `t`'s bytes if they lie in a private mapping of a
-    safetensors file (else nothing: anonymous memory would read back as zeros); returns the bytes
+    """Drop from this process the whole pages of `t`'s bytes if they lie in an unwritable mapping of a
+    checkpoint file (else nothing: anonymous memory would read back as zeros); returns the bytes
     dropped. `mappings`: read once for many tensors (the maps do not change while weights are packed)."""
     if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
         return 0
     start = t.data_ptr()
-    end = start + t.numel() * t.element_size()
-    if not (mappings or FileMappings()).holds(start, end):
+    return drop_range(start, start + t.numel() * t.element_size(), mappings)
+
+
+def drop_range(start: int, end: int, mappings: FileMappings | None = None) -> int:
+    """`drop_file_pages` for the bytes [start, end) (a numpy view of a memory map)."""
+    if end <= start or not (mappings or FileMappings()).holds(start, end):
         return 0
     lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages only: a neighbour's may be in use
     hi = end // mmap.PAGESIZE * mmap.PAGESIZE

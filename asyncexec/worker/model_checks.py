@@ -8,7 +8,22 @@ from typing import Any
 
 from asyncexec.errors import ConfigError
 
-__all__ = ["SPLIT_DIMS", "check_architecture", "check_tensor_parallel", "model_max_len"]
+__all__ = ["SPLIT_DIMS", "auto_dtype", "check_architecture", "check_tensor_parallel", "model_max_len"]
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def auto_dtype(path: str, hf_config: Any) -> str:
+    """What `dtype="auto"` loads `path` in: a GGUF file in bfloat16 (the quantized GEMMs take bf16
+    activations), or float32 where every tensor is F32; a folder in its config's dtype (float32 if it
+    names none)."""
+    from asyncexec.gguf.file import all_float32, is_gguf
+
+    if is_gguf(path):
+        return "float32" if all_float32(path) else "bfloat16"
+    found = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    name = str(found).removeprefix("torch.") if found is not None else "float32"
+    return name if name in DTYPE_NAMES else "float32"
 
 
 def check_architecture(hf_config: Any, world_size: int) -> str:

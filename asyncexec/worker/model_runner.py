@@ -21,6 +21,8 @@ import torch
 
 from asyncexec.config import EngineConfig
 from asyncexec.errors import ConfigError
+from asyncexec.gguf.file import is_gguf, load_hf_config
+from asyncexec.gguf.loader import load_gguf_model
 from asyncexec.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 from asyncexec.quantization.int8 import activation_scales
 from asyncexec.quantization.int8 import gemm_serves as int8_gemm_serves
@@ -28,7 +30,7 @@ from asyncexec.quantization.pack import check_quantization, pack_linears
 from asyncexec.worker.attention import MIXED_MIN_TOKENS, AttentionMetadata, mixed_step, register_attention
 from asyncexec.worker.input_batch import NULL_BLOCK, InputBatch, PreparedBatch
 from asyncexec.worker.memory import FileMappings, drop_file_pages, own_weights, trim_heap
-from asyncexec.worker.model_checks import check_architecture, model_max_len
+from asyncexec.worker.model_checks import auto_dtype, check_architecture, model_max_len
 from asyncexec.worker.prompt_logprobs import PromptLogprobsRows
 from asyncexec.worker.sampler import Sampler
 
@@ -68,13 +70,14 @@ class ModelRunner:
     # ----- loading --------------------------------------------------------------------------------
 
     def load_model(self) -> None:
-        import transformers
-
         path = self.config.model
         assert path is not None
-        if not os.path.isdir(path):
-            raise ConfigError(f"model folder {path!r} does not exist (asyncexec loads local folders only)")
-        hf_config = transformers.AutoConfig.from_pretrained(path)
+        gguf = is_gguf(path)
+        if not gguf and not os.path.isdir(path):
+            raise ConfigError(
+                f"model folder {path!r} does not exist (asyncexec loads local folders and GGUF files only)"
+            )
+        hf_config = load_hf_config(path)
         arch = check_architecture(hf_config, self.world_size)
         self.hf_config = hf_config
         self.arch = arch
@@ -85,6 +88,27 @@ class ModelRunner:
             )
         self.dtype = self._dtype(hf_config)
         check_quantization(self.config.quantization, self.device, self.dtype)
+        self.gguf_sources: dict[torch.nn.Module, Any] = {}
+        if gguf:
+            self._load_gguf(path)
+        else:
+            self._load_folder(path)
+        self.model.eval()
+        self._patch_model(path)
+        own_weights(self.model)  # out of the checkpoint's memory map (embedding tables: their pages dropped)
+        self.gguf_sources = {}
+        trim_heap()  # the load's bf16 weights, calibration and packing are freed: give the pages back
+        bs = self.config.block_size
+        self.input_batch = InputBatch(
+            self.config.max_num_batched_tokens,
+            self.config.max_num_seqs,
+            math.ceil(self.max_model_len / bs),
+            bs,
+        )
+
+    def _load_folder(self, path: str) -> None:
+        import transformers
+
         kwargs: dict[str, Any] = {"dtype": self.dtype}
         if self.world_size > 1:  # transformers' own tensor parallelism: its tp plan, our process group
             try:
@@ -96,17 +120,23 @@ class ModelRunner:
         self.model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
         if self.world_size == 1:
             self.model.to(self.device)
-        self.model.eval()
-        self._patch_model(path)
-        own_weights(self.model)  # out of the checkpoint's memory map (embedding tables: their pages dropped)
-        trim_heap()  # the load's bf16 weights, calibration and packing are freed: give the pages back
-        bs = self.config.block_size
-        self.input_batch = InputBatch(
-            self.config.max_num_batched_tokens,
-            self.config.max_num_seqs,
-            math.ceil(self.max_model_len / bs),
-            bs,
-        )
+
+    def _load_gguf(self, path: str) -> None:
+        """A GGUF file, tensor by tensor (`gguf.loader`): with `dtype="auto"` and no `quantization`, its
+        quantized tensors stay as they ship where a GEMM serves them; else every tensor is dequantized to
+        the dtype (then quantized again if `quantization` says so)."""
+        if self.world_size > 1:
+            raise ConfigError(
+                f"GGUF files load on one rank (tensor_parallel_size=1); got tensor_parallel_size="
+                f"{self.world_size} for {path!r}"
+            )
+        keep = self.config.dtype == "auto" and self.config.quantization is None and self.device.type == "cpu"
+        start = time.perf_counter()
+        loaded = load_gguf_model(path, self.dtype, keep, progress=self.rank == 0)
+        self.model = loaded.model.to(self.device)
+        self.gguf_sources = loaded.sources
+        logger.info("%s: %s, read in %.1f s", os.path.basename(path), loaded.summary(),
+                    time.perf_counter() - start)  # fmt: skip
 
     def _patch_model(self, path: str) -> None:
         """Every change asyncexec makes to the transformers model it loaded, here and in this order:
@@ -119,10 +149,11 @@ class ModelRunner:
            (`graphs.cpu.CompiledLayers.dispatch`) or eager, by the step's attention metadata."""
         self.model.set_attn_implementation(register_attention())
         cpu = self.device.type == "cpu"
-        if cpu and (self.config.quantization or not self.config.enforce_eager):
+        if cpu and (self.config.quantization or not self.config.enforce_eager or self.gguf_sources):
             mappings = FileMappings()  # the checkpoint's: each weight's pages go once it is packed
             pack_linears(self.model, self.config.quantization, input_scales=self._int8_scales(path),
-                         release=lambda w: drop_file_pages(w, mappings))  # fmt: skip
+                         release=lambda w: drop_file_pages(w, mappings),
+                         sources=self.gguf_sources)  # fmt: skip
         if cpu and self._cpu_graph_mode():
             from asyncexec.worker.graphs.cpu import CompiledLayers, decoder_layers
 
@@ -163,10 +194,8 @@ class ModelRunner:
     def _dtype(self, hf_config: Any) -> torch.dtype:
         if self.config.dtype != "auto":
             return _DTYPES[self.config.dtype]
-        found = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        if isinstance(found, str):
-            found = _DTYPES.get(found)
-        return found if isinstance(found, torch.dtype) else torch.float32
+        assert self.config.model is not None
+        return _DTYPES[auto_dtype(self.config.model, hf_config)]
 
     # ----- memory ---------------------------------------------------------------------------------
 

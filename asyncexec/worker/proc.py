@@ -187,10 +187,11 @@ def _raise_exit(signum: int, frame: object) -> None:
 def preload(model: str) -> None:
     """Import `model`'s transformers code (most of a worker's start-up) before the spawn message comes."""
     try:
-        import transformers
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-        MODEL_FOR_CAUSAL_LM_MAPPING.get(type(transformers.AutoConfig.from_pretrained(model)), None)
+        from asyncexec.gguf.file import load_hf_config
+
+        MODEL_FOR_CAUSAL_LM_MAPPING.get(type(load_hf_config(model)), None)
     except Exception:  # loading the model for real reports whatever is wrong with it
         logger.debug("preloading %s failed", model, exc_info=True)
 

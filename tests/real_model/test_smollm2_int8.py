@@ -68,10 +68,12 @@ def _argmax_agreement(a: list[dict[int, float] | None], b: list[dict[int, float]
     return sum(x == y for x, y in pairs) / len(pairs)
 
 
-async def _score(ids: list[int], chat: list[int] | None, **cfg: Any) -> tuple[Any, Any, dict[str, float]]:
+async def _score(
+    ids: list[int], chat: list[int] | None, dtype: str = "bfloat16", **cfg: Any
+) -> tuple[Any, Any, dict[str, float]]:
     """(prompt logprobs of `ids`, the greedy answer to `chat`, rank 0's runner stats)."""
     config = EngineConfig(
-        model="smollm2", executor="uni", dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=48 << 20,
+        model="smollm2", executor="uni", dtype=dtype, max_model_len=1024, kv_cache_memory_bytes=48 << 20,  # type: ignore[arg-type]
         cudagraph_capture_sizes=(1, 2), **cfg,
     )  # fmt: skip
     answer = scored = None

@@ -23,10 +23,10 @@ using namespace asyncexec_vnni;
 
 #if defined(CPU_CAPABILITY_AVX512)
 // rows m0 .. m0 + R - 1, output channels 16 * c0 .. 16 * (c0 + NB) - 1
-template <int R, int NB>
-ASYNCEXEC_VNNI inline void block(const Quantized& x, const uint8_t* w, const c10::BFloat16* d,
-                                 const c10::BFloat16* mn, c10::BFloat16* y, int64_t m0, int64_t c0, int64_t N,
-                                 int64_t K) {
+// S: the scales' type (bf16, or fp16 from a GGUF file); mn null: Q4_0, w = (q - 8) * d
+template <int R, int NB, typename S>
+ASYNCEXEC_VNNI inline void block(const Quantized& x, const uint8_t* w, const S* d, const S* mn, c10::BFloat16* y,
+                                 int64_t m0, int64_t c0, int64_t N, int64_t K) {
   __m512 out[R * NB];
 #pragma GCC unroll 8
   for (int i = 0; i < R * NB; ++i) out[i] = _mm512_setzero_ps();
@@ -60,8 +60,8 @@ ASYNCEXEC_VNNI inline void block(const Quantized& x, const uint8_t* w, const c10
     }
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) {
-      const __m512 dv = from_bf16(d + g * N + (c0 + j) * 16);
-      const __m512 mv = from_bf16(mn + g * N + (c0 + j) * 16);
+      const __m512 dv = load_scales(d + g * N + (c0 + j) * 16);
+      const __m512 mv = mn ? load_scales(mn + g * N + (c0 + j) * 16) : _mm512_mul_ps(dv, _mm512_set1_ps(-8.0f));
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const int64_t at = (m0 + r) * groups + g;
@@ -79,26 +79,36 @@ ASYNCEXEC_VNNI inline void block(const Quantized& x, const uint8_t* w, const c10
   }
 }
 
+template <typename S>
+void run(const Quantized& q, const uint8_t* w, const S* d, const S* mn, c10::BFloat16* y, int64_t M, int64_t N,
+         int64_t K, int t) {
+  for_columns(
+      [&](auto nb, int64_t c0) {
+        for_rows([&](auto r, int64_t m0) { block<decltype(r)::value, decltype(nb)::value>(q, w, d, mn, y, m0, c0, N, K); }, M);
+      },
+      M, N, t);
+}
+
 #endif
 
 }  // namespace
 
-// w: blocked nibbles [N / 16][K / 8][16][4]; d, mn: [K / 32][N] (`int4_gemm.pack`)
+// w: blocked nibbles [N / 16][K / 8][16][4]; d, mn: [K / 32][N], bf16, or fp16 where half_scales; mn null:
+// Q4_0's symmetric codes, w = (q - 8) * d (`int4_gemm.pack`)
 // 0: done; 1: K is not a multiple of 32 or N of 16; 2: M < 1; 3: not built for AVX-512; 4: no VNNI
-extern "C" int asyncexec_int4_gemm(const c10::BFloat16* x, const uint8_t* w, const c10::BFloat16* d,
-                                   const c10::BFloat16* mn, c10::BFloat16* y, int64_t M, int64_t N, int64_t K,
-                                   int64_t threads) {
+extern "C" int asyncexec_int4_gemm(const c10::BFloat16* x, const uint8_t* w, const void* d, const void* mn,
+                                   c10::BFloat16* y, int64_t M, int64_t N, int64_t K, int64_t threads,
+                                   int64_t half_scales) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (!__builtin_cpu_supports("avx512vnni")) return 4;
   if (K % kGroup != 0 || N % 16 != 0) return 1;
   if (M < 1) return 2;
   const int t = static_cast<int>(threads);
   const Quantized q = quantize_rows(x, nullptr, M, K, t);
-  for_columns(
-      [&](auto nb, int64_t c0) {
-        for_rows([&](auto r, int64_t m0) { block<decltype(r)::value, decltype(nb)::value>(q, w, d, mn, y, m0, c0, N, K); }, M);
-      },
-      M, N, t);
+  if (half_scales)
+    run(q, w, static_cast<const c10::Half*>(d), static_cast<const c10::Half*>(mn), y, M, N, K, t);
+  else
+    run(q, w, static_cast<const c10::BFloat16*>(d), static_cast<const c10::BFloat16*>(mn), y, M, N, K, t);
   return 0;
 #else
   return 3;

@@ -28,8 +28,8 @@ using namespace asyncexec_vnni;
 
 #if defined(CPU_CAPABILITY_AVX512)
 // rows m0 .. m0 + R - 1, output channels 16 * c0 .. 16 * (c0 + NB) - 1
-template <int R, int NB>
-ASYNCEXEC_VNNI inline void block(const Quantized& x, const uint8_t* w, const c10::BFloat16* scale,
+template <int R, int NB, typename S>
+ASYNCEXEC_VNNI inline void block(const Quantized& x, const uint8_t* w, const S* scale,
                                  c10::BFloat16* y, int64_t m0, int64_t c0, int64_t N, int64_t K) {
   __m512 out[R * NB];
 #pragma GCC unroll 8
@@ -56,7 +56,7 @@ ASYNCEXEC_VNNI inline void block(const Quantized& x, const uint8_t* w, const c10
     }
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) {
-      const __m512 ws = from_bf16(scale + g * N + (c0 + j) * 16);
+      const __m512 ws = load_scales(scale + g * N + (c0 + j) * 16);
       const __m512 wo = _mm512_mul_ps(ws, offset);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
@@ -75,26 +75,36 @@ ASYNCEXEC_VNNI inline void block(const Quantized& x, const uint8_t* w, const c10
   }
 }
 
+template <typename S>
+void run(const Quantized& q, const uint8_t* w, const S* scale, c10::BFloat16* y, int64_t M, int64_t N,
+         int64_t K, int t) {
+  for_columns(
+      [&](auto nb, int64_t c0) {
+        for_rows([&](auto r, int64_t m0) { block<decltype(r)::value, decltype(nb)::value>(q, w, scale, y, m0, c0, N, K); }, M);
+      },
+      M, N, t);
+}
+
 #endif
 
 }  // namespace
 
-// w: blocked [N / 16][K / 4][16][4], stored + 128; scale: [K / 32][N] (`int8_gemm.pack`)
+// w: blocked [N / 16][K / 4][16][4], stored + 128; scale: [K / 32][N] bf16, or fp16 where half_scales
+// (`int8_gemm.pack`)
 // 0: done; 1: K is not a multiple of 32 or N of 16; 2: M < 1; 3: not built for AVX-512; 4: no VNNI
 extern "C" int asyncexec_int8_gemm(const c10::BFloat16* x, const c10::BFloat16* inv_s, const uint8_t* w,
-                                   const c10::BFloat16* scale, c10::BFloat16* y, int64_t M, int64_t N,
-                                   int64_t K, int64_t threads) {
+                                   const void* scale, c10::BFloat16* y, int64_t M, int64_t N, int64_t K,
+                                   int64_t threads, int64_t half_scales) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (!__builtin_cpu_supports("avx512vnni")) return 4;
   if (K % kGroup != 0 || N % 16 != 0) return 1;
   if (M < 1) return 2;
   const int t = static_cast<int>(threads);
   const Quantized q = quantize_rows(x, inv_s, M, K, t);
-  for_columns(
-      [&](auto nb, int64_t c0) {
-        for_rows([&](auto r, int64_t m0) { block<decltype(r)::value, decltype(nb)::value>(q, w, scale, y, m0, c0, N, K); }, M);
-      },
-      M, N, t);
+  if (half_scales)
+    run(q, w, static_cast<const c10::Half*>(scale), y, M, N, K, t);
+  else
+    run(q, w, static_cast<const c10::BFloat16*>(scale), y, M, N, K, t);
   return 0;
 #else
   return 3;

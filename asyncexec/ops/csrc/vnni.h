@@ -11,6 +11,7 @@
 #include <omp.h>
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -34,6 +35,12 @@ ASYNCEXEC_VNNI inline __m256i to_bf16(__m512 v) {
 ASYNCEXEC_VNNI inline __m512 from_bf16(const c10::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// 16 weight scales to float: bf16 (quantized here) or fp16 (as a GGUF file ships them)
+ASYNCEXEC_VNNI inline __m512 load_scales(const c10::BFloat16* p) { return from_bf16(p); }
+ASYNCEXEC_VNNI inline __m512 load_scales(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // one row of x to codes, its scale per group and each group's sum of codes times the scale

@@ -15,10 +15,11 @@ The config, tokenizer and chat template come from the file's metadata through tr
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import functools
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,17 +64,19 @@ def _stamp(path: str) -> tuple[str, int, int]:
     return os.path.abspath(path), st.st_size, st.st_mtime_ns
 
 
-@functools.lru_cache(maxsize=8)
-def _types(stamp: tuple[str, int, int]) -> frozenset[str]:
-    return frozenset(t.tensor_type.name for t in GGUFFile.open(stamp[0]).reader.tensors)
+_CHECKED: dict[tuple[str, int, int], frozenset[str]] = {}  # every file `GGUFFile.open` has checked
 
 
 def check(path: str) -> frozenset[str]:
     """Open and check the GGUF file at `path` (`GGUFFile.open`'s errors) once per process and version of
-    the file; returns its tensor types. Parsing a header holding a 128k-token vocabulary takes seconds."""
+    the file; returns its tensor types. gguf's reader parses every metadata value: 3 s for smollm2's
+    49k-token vocabulary on these machines, so each process parses a file as few times as it can."""
     if not os.path.isfile(path):
         raise ConfigError(f"GGUF file {path!r} does not exist")
-    return _types(_stamp(path))
+    stamp = _stamp(path)
+    if stamp not in _CHECKED:
+        GGUFFile.open(path)
+    return _CHECKED[stamp]
 
 
 def all_float32(path: str) -> bool:
@@ -81,24 +84,45 @@ def all_float32(path: str) -> bool:
     return check(path) == {"F32"}
 
 
-@functools.lru_cache(maxsize=8)
-def _gguf_config(stamp: tuple[str, int, int]) -> Any:
-    import transformers
-
-    folder, kwargs = pretrained_args(stamp[0])
-    return transformers.AutoConfig.from_pretrained(folder, **kwargs)
+_CONFIGS: dict[tuple[str, int, int], Any] = {}
 
 
-def load_hf_config(path: str) -> Any:
+@contextlib.contextmanager
+def _reusing(opened: GGUFFile | None) -> Iterator[None]:
+    """transformers' GGUF functions open the file with `gguf.GGUFReader` each time; inside, one already
+    opened is handed to them instead of parsing its header again."""
+    import gguf
+
+    parse = gguf.GGUFReader
+    if opened is not None:
+        mine = os.path.abspath(opened.path)
+
+        def reader(path: Any, *args: Any, **kwargs: Any) -> Any:
+            return opened.reader if os.path.abspath(path) == mine else parse(path, *args, **kwargs)
+
+        gguf.GGUFReader = reader  # type: ignore[assignment, misc]
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = parse  # type: ignore[misc]
+
+
+def load_hf_config(path: str, opened: GGUFFile | None = None) -> Any:
     """The transformers config of a model folder or GGUF file (a GGUF's parsed once per process: a copy
-    of it each call, since transformers writes to the configs of the models it builds)."""
+    of it each call, since transformers writes to the configs of the models it builds). `opened`: the
+    GGUF file, already opened."""
     import transformers
 
     folder, kwargs = pretrained_args(path)
     if not kwargs:
         return transformers.AutoConfig.from_pretrained(folder)
-    check(path)  # a clear error before transformers' own
-    return copy.deepcopy(_gguf_config(_stamp(path)))
+    if opened is None:
+        check(path)  # a clear error before transformers' own
+    stamp = _stamp(path)
+    if stamp not in _CONFIGS:
+        with _reusing(opened):
+            _CONFIGS[stamp] = transformers.AutoConfig.from_pretrained(folder, **kwargs)
+    return copy.deepcopy(_CONFIGS[stamp])
 
 
 def load_reference_model(path: str, dtype: Any) -> Any:
@@ -146,6 +170,7 @@ class GGUFFile:
             raise ConfigError(f"{path!r} is not a readable GGUF file: {e}") from e
         found = cls(path, reader, _architecture(path, reader))
         found._check_tensors()
+        _CHECKED[_stamp(path)] = frozenset(t.tensor_type.name for t in reader.tensors)
         return found
 
     def field(self, key: str, default: Any = None) -> Any:

@@ -17,6 +17,7 @@ kept weights plus one tensor.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections import Counter
 from collections.abc import Iterator
@@ -91,9 +92,27 @@ def _stand_in(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(1, dtype=dtype).expand(*shape)
 
 
-def load_gguf_model(path: str, dtype: torch.dtype, keep_quantized: bool, progress: bool = True) -> GGUFLoad:
+@contextlib.contextmanager
+def _one_name_map() -> Iterator[None]:
+    """transformers' `get_gguf_hf_weights_map` recurses into every submodule and rebuilds gguf's name map
+    of the whole architecture at each (397 times for smollm2: 6 s of a 10 s load); inside, it is built
+    once per architecture and depth."""
+    import gguf
+
+    build = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(build)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = build
+
+
+def load_gguf_model(
+    path: str, dtype: torch.dtype, keep_quantized: bool, progress: bool = True, opened: GGUFFile | None = None
+) -> GGUFLoad:
     """The model of the GGUF file at `path`, its dense tensors in `dtype`. `keep_quantized`: quantized
-    tensors a GEMM serves stay quantized (`GGUFLoad.sources`), else every tensor is dequantized."""
+    tensors a GEMM serves stay quantized (`GGUFLoad.sources`), else every tensor is dequantized.
+    `opened`: the file, if the caller has opened it already (parsing its header takes seconds)."""
     import transformers
     from tqdm import tqdm
     from transformers.modeling_gguf_pytorch_utils import (
@@ -102,12 +121,13 @@ def load_gguf_model(path: str, dtype: torch.dtype, keep_quantized: bool, progres
         get_gguf_hf_weights_map,
     )
 
-    config = load_hf_config(path)
-    f = GGUFFile.open(path)
+    f = opened or GGUFFile.open(path)
+    config = load_hf_config(path, f)
     with _parameters_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     processor = TENSOR_PROCESSORS.get(f.architecture, TensorProcessor)(config=config.to_dict())
-    names = get_gguf_hf_weights_map(model, processor)
+    with _one_name_map():
+        names = get_gguf_hf_weights_map(model, processor)
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
     head = model.get_output_embeddings()

@@ -21,7 +21,7 @@ import torch
 
 from asyncexec.config import EngineConfig
 from asyncexec.errors import ConfigError
-from asyncexec.gguf.file import is_gguf, load_hf_config
+from asyncexec.gguf.file import GGUFFile, is_gguf, load_hf_config
 from asyncexec.gguf.loader import load_gguf_model
 from asyncexec.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 from asyncexec.quantization.int8 import activation_scales
@@ -73,11 +73,12 @@ class ModelRunner:
         path = self.config.model
         assert path is not None
         gguf = is_gguf(path)
+        opened = GGUFFile.open(path) if gguf else None  # its header is parsed once here (seconds)
         if not gguf and not os.path.isdir(path):
             raise ConfigError(
                 f"model folder {path!r} does not exist (asyncexec loads local folders and GGUF files only)"
             )
-        hf_config = load_hf_config(path)
+        hf_config = load_hf_config(path, opened)
         arch = check_architecture(hf_config, self.world_size)
         self.hf_config = hf_config
         self.arch = arch
@@ -89,8 +90,9 @@ class ModelRunner:
         self.dtype = self._dtype(hf_config)
         check_quantization(self.config.quantization, self.device, self.dtype)
         self.gguf_sources: dict[torch.nn.Module, Any] = {}
-        if gguf:
-            self._load_gguf(path)
+        if opened is not None:
+            self._load_gguf(path, opened)
+            del opened
         else:
             self._load_folder(path)
         self.model.eval()
@@ -121,7 +123,7 @@ class ModelRunner:
         if self.world_size == 1:
             self.model.to(self.device)
 
-    def _load_gguf(self, path: str) -> None:
+    def _load_gguf(self, path: str, opened: GGUFFile) -> None:
         """A GGUF file, tensor by tensor (`gguf.loader`): with `dtype="auto"` and no `quantization`, its
         quantized tensors stay as they ship where a GEMM serves them; else every tensor is dequantized to
         the dtype (then quantized again if `quantization` says so)."""
@@ -132,7 +134,7 @@ class ModelRunner:
             )
         keep = self.config.dtype == "auto" and self.config.quantization is None and self.device.type == "cpu"
         start = time.perf_counter()
-        loaded = load_gguf_model(path, self.dtype, keep, progress=self.rank == 0)
+        loaded = load_gguf_model(path, self.dtype, keep, progress=self.rank == 0, opened=opened)
         self.model = loaded.model.to(self.device)
         self.gguf_sources = loaded.sources
         logger.info("%s: %s, read in %.1f s", os.path.basename(path), loaded.summary(),

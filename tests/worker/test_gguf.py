@@ -275,3 +275,12 @@ def test_the_kept_model_computes_what_the_dequantized_one_does(
         a, b = kept.model(ids).logits.float(), dense.model(ids).logits.float()
     err = float((a - b).abs().max() / b.abs().max())
     assert err < 0.05, f"{weight_type}: logits off by {err:.3f} of their range"
+
+
+async def test_tensor_parallelism_is_refused_for_a_gguf_file_by_name(files: dict[str, Path]) -> None:
+    """Not built yet (each rank would read its shard): refused at start, naming it, nothing left running."""
+    from asyncexec import Executor, WorkerStartupError
+
+    ex = Executor.create(config(files["Q8_0"], "mp", 2))
+    with pytest.raises(WorkerStartupError, match=r"GGUF files load on one rank \(tensor_parallel_size=1\)"):
+        await ex.start()

@@ -43,7 +43,6 @@ from asyncexec.errors import (
     InvalidRequestError,
 )
 from asyncexec.executor import Executor
-from asyncexec.model_registry import resolve_model
 from asyncexec.outputs import RequestOutput
 from asyncexec.sampling_params import SamplingParams
 from asyncexec.structured_output import StructuredOutputManager
@@ -84,9 +83,6 @@ class AsyncEngine:
         if self.executor is not None:
             raise ExecutorClosedError("engine was already started")
         self._lock = asyncio.Lock()
-        # the tokenizer loads while the workers start (a GGUF file's takes seconds to parse)
-        path = None if self.config.model is None else resolve_model(self.config.model)
-        tokenizer = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, path))
         try:
             self.model_info, self.num_blocks = await self._supervisor.start()
             self.scheduler = Scheduler(
@@ -96,14 +92,15 @@ class AsyncEngine:
                 self.model_info["eos_token_ids"],
                 self.model_info.get("attention_crossover"),
             )
-            self.tokenizer = await tokenizer
+            # after the workers: with the uni executor they import transformers in this process, and
+            # transformers' lazy module is not safe to import from two threads at once
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, self._supervisor.config.model)
             self._inputs = InputProcessor(self.config, self.tokenizer, self.model_info, self.num_blocks)
             self._outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
             self._structured = StructuredOutputManager(self.tokenizer, self.model_info["vocab_size"])
             self._core = EngineCore(self.scheduler, self._structured)
         except BaseException:
             await self._supervisor.shutdown()
-            await asyncio.gather(tokenizer, return_exceptions=True)  # its thread is not left running
             raise
         self._supervisor.fill_spares()
 

@@ -19,6 +19,7 @@ import contextlib
 import copy
 import os
 import re
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,9 @@ def all_float32(path: str) -> bool:
 
 
 _CONFIGS: dict[tuple[str, int, int], Any] = {}
+# One patch of the `gguf` module at a time (engines in one process may load at once): nested patches
+# restored out of order would leave one installed.
+PATCHING = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -93,6 +97,11 @@ def _reusing(opened: GGUFFile | None) -> Iterator[None]:
     opened is handed to them instead of parsing its header again."""
     import gguf
 
+    with PATCHING:
+        yield from _patched_reader(gguf, opened)
+
+
+def _patched_reader(gguf: Any, opened: GGUFFile | None) -> Iterator[None]:
     parse = gguf.GGUFReader
     if opened is not None:
         mine = os.path.abspath(opened.path)
@@ -100,11 +109,11 @@ def _reusing(opened: GGUFFile | None) -> Iterator[None]:
         def reader(path: Any, *args: Any, **kwargs: Any) -> Any:
             return opened.reader if os.path.abspath(path) == mine else parse(path, *args, **kwargs)
 
-        gguf.GGUFReader = reader  # type: ignore[assignment, misc]
+        gguf.GGUFReader = reader
     try:
         yield
     finally:
-        gguf.GGUFReader = parse  # type: ignore[misc]
+        gguf.GGUFReader = parse
 
 
 def load_hf_config(path: str, opened: GGUFFile | None = None) -> Any:

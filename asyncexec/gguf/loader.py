@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from asyncexec.errors import ConfigError
-from asyncexec.gguf.file import GGUFFile, load_hf_config
+from asyncexec.gguf.file import PATCHING, GGUFFile, load_hf_config
 from asyncexec.gguf.weights import GGUFWeight, dequantize_rows, drop_pages, form_of, gemm_serves
 
 __all__ = ["GGUFLoad", "load_gguf_model"]
@@ -99,12 +99,13 @@ def _one_name_map() -> Iterator[None]:
     once per architecture and depth."""
     import gguf
 
-    build = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(build)
-    try:
-        yield
-    finally:
-        gguf.get_tensor_name_map = build
+    with PATCHING:
+        build = gguf.get_tensor_name_map
+        gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(build)
+        try:
+            yield
+        finally:
+            gguf.get_tensor_name_map = build
 
 
 def load_gguf_model(

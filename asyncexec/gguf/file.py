@@ -97,23 +97,21 @@ def _reusing(opened: GGUFFile | None) -> Iterator[None]:
     opened is handed to them instead of parsing its header again."""
     import gguf
 
+    if opened is None:
+        yield
+        return
+    mine = os.path.abspath(opened.path)
     with PATCHING:
-        yield from _patched_reader(gguf, opened)
-
-
-def _patched_reader(gguf: Any, opened: GGUFFile | None) -> Iterator[None]:
-    parse = gguf.GGUFReader
-    if opened is not None:
-        mine = os.path.abspath(opened.path)
+        parse = gguf.GGUFReader
 
         def reader(path: Any, *args: Any, **kwargs: Any) -> Any:
             return opened.reader if os.path.abspath(path) == mine else parse(path, *args, **kwargs)
 
-        gguf.GGUFReader = reader
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = parse
+        gguf.GGUFReader = reader  # type: ignore[assignment, misc]
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = parse  # type: ignore[misc]
 
 
 def load_hf_config(path: str, opened: GGUFFile | None = None) -> Any:
@@ -153,7 +151,7 @@ def load_tokenizer(path: str) -> Any:
 
 @dataclass
 class GGUFFile:
-    """An opened GGUF file: `reader` (gguf's `GGUFReader`), its `architecture` and tensor types."""
+    """An opened and checked GGUF file: `reader` (gguf's `GGUFReader`) and its `architecture`."""
 
     path: str
     reader: Any

@@ -82,6 +82,24 @@ def _row_order(processor: Any, name: str, rows: int) -> np.ndarray | None:
     return None if np.array_equal(got, ids[:, 0]) else got
 
 
+def _kept(t: Any, module: torch.nn.Module, want: tuple[int, ...], processor: Any) -> GGUFWeight | None:
+    """Tensor `t` as a kept-quantized weight of `module`, or None where it is dequantized: a float type,
+    not the weight of a plain linear or embedding (a subclass, such as gemma's scaled embedding, computes
+    more than a lookup), a shape the GEMMs do not take, or a tensor processor that does more than
+    reorder rows."""
+    form = form_of(t.tensor_type.name)
+    plain = type(module) is torch.nn.Linear or (
+        type(module) is torch.nn.Embedding and module.max_norm is None
+    )
+    if form == "dense" or not plain or len(want) != 2 or not gemm_serves(form, want):
+        return None
+    try:
+        order = _row_order(processor, t.name, want[0])
+    except ValueError:
+        return None
+    return GGUFWeight(t.name, t.tensor_type.name, t.data, (want[0], want[1]), order)
+
+
 def _set_parameter(model: Any, hf_name: str, value: torch.Tensor) -> None:
     module_name, _, pname = hf_name.rpartition(".")
     module = model.get_submodule(module_name)
@@ -149,18 +167,10 @@ def load_gguf_model(
                 f"{config.model_type} config makes {hf_name} {list(want)}: the file's metadata disagrees "
                 "with its tensors"
             )
-        form = form_of(type_name) if keep_quantized else "dense"
         module = model.get_submodule(hf_name.rpartition(".")[0])
-        source = None
-        if form != "dense" and hf_name.endswith(".weight") and len(want) == 2 and gemm_serves(form, want):
-            try:
-                order = _row_order(processor, t.name, want[0])
-            except ValueError:
-                order = None
-                form = "dense"
-            if form != "dense":
-                source = GGUFWeight(t.name, type_name, t.data, (want[0], want[1]), order)
-        if source is not None and isinstance(module, torch.nn.Linear | torch.nn.Embedding):
+        source = _kept(t, module, want, processor) if keep_quantized else None
+        if source is not None:
+            form = source.form
             loaded.sources[module] = source
             if tied and module is embed and isinstance(head, torch.nn.Linear):
                 loaded.sources[head] = source  # the head multiplies with it, the embedding reads its rows

@@ -271,11 +271,13 @@ def pack_linears(
     stats["plain"] = int(layout.plain)
     head_weight = head.weight if isinstance(head, torch.nn.Linear) else None
     for members in find_groups(model):
-        if {m in kept for m in members} == {True} and len({kept[m].form for m in members}) == 1:
+        inside = [m in kept for m in members]
+        if all(inside) and len({kept[m].form for m in members}) == 1:
             _pack_group(members, quantization, layout, act, stats, kept)
-        elif not any(m in kept for m in members):
+        elif not any(inside):
             for w in _pack_group(members, quantization, layout, act, stats):
                 done(w)
+        # else: some kept, some not, or of two forms: each member is packed on its own below
     packed_sources: dict[int, PackedWeight] = {}
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -299,9 +301,9 @@ def pack_linears(
         src = kept[embedding]
         tied = packed_sources.get(id(src))
         stats["embedding_freed"] = read_from(embedding, tied if tied is not None else _pack_source(src))
-    elif quantization is not None and head_weight is not None and callable(get_embedding):
+    elif quantization is not None and head_weight is not None and embedding is not None:
         assert head is not None
-        freed = share_tied_embedding(get_embedding(), head_weight, REGISTRY[head.weight.data_ptr()])
+        freed = share_tied_embedding(embedding, head_weight, REGISTRY[head.weight.data_ptr()])
         if freed:
             stats["embedding_freed"] = freed
             logger.info("the tied embedding reads its rows from the lm_head's int8 weight: %.1f MiB freed",

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from asyncexec.errors import ConfigError
+from asyncexec.spec_decode.config import SpeculativeConfig
 
 __all__ = ["DeviceKind", "EngineConfig", "ExecutorKind"]
 
@@ -97,6 +98,10 @@ class EngineConfig:
             the running requests instead of failing them.
         max_worker_restarts: how many executor restarts an engine may make in its life; after that a
             dead worker fails every request with `WorkerDiedError`.
+        speculative_config: speculative decoding (vLLM's dict): {"method": "ngram",
+            "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+            "disable_by_batch_size": 4}; every key optional (`asyncexec.spec_decode.SpeculativeConfig`).
+            None decodes one token per step.
     """
 
     model: str | None = None
@@ -129,8 +134,13 @@ class EngineConfig:
     distributed_host: str | None = None
     restart_on_worker_failure: bool = False
     max_worker_restarts: int = 3
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:  # a dict (vLLM's spelling) becomes the dataclass
+            object.__setattr__(
+                self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config)
+            )
         self._check_choices()
         self._check_numbers()
         self._check_capture_sizes()

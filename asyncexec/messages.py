@@ -97,6 +97,9 @@ class SchedulerOutput(_Wire):
     bit `t % 32` of word `t // 32` set where token `t` is allowed) holds one row per constrained request
     that samples in this step, in `structured_output_request_ids` order; every rank applies it to those
     requests' logits before sampling. Large masks travel through the shared-memory tensor path.
+
+    Speculative decoding: `scheduled_spec_decode_tokens[req_id]` holds a decoding request's draft tokens
+    (vLLM's name); its `num_scheduled_tokens` is then 1 + their number, and its row verifies them.
     """
 
     step_id: int
@@ -108,10 +111,12 @@ class SchedulerOutput(_Wire):
     preempted_req_ids: list[str] = msgspec.field(default_factory=list)
     structured_output_request_ids: list[str] = msgspec.field(default_factory=list)
     grammar_bitmask: torch.Tensor | None = None
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
 
 class Logprobs(_Wire):
-    """Per request, row 0 is the sampled token, rows 1.. the top-n, each with its log-probability."""
+    """One row per sampled token, requests in `ModelRunnerOutput.req_ids` order (a request's tokens of a
+    step consecutive): entry 0 is the sampled token, entries 1.. the top-n, each with its log-probability."""
 
     token_ids: list[list[int]]
     logprobs: list[list[float]]

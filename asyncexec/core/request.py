@@ -73,6 +73,14 @@ class Request:
             self.logprobs.append(dict(zip(ids, vals, strict=True)))
             self.cumulative_logprob += vals[0]  # entry 0 is the sampled token
 
+    def truncate_output(self, num_tokens: int) -> None:
+        """Keep the first `num_tokens` output tokens (a stop string found inside a speculative step's
+        tokens ends the request there), with their logprobs."""
+        for tok, lp in zip(self.output_token_ids[num_tokens:], self.logprobs[num_tokens:], strict=False):
+            self.cumulative_logprob -= lp[tok]
+        del self.output_token_ids[num_tokens:]
+        del self.logprobs[num_tokens:]
+
     def add_prompt_logprobs(self, plp: PromptLogprobs) -> None:
         """Fill the positions `plp` scores; positions already filled (a recompute) are kept."""
         n = len(self.prompt_token_ids)

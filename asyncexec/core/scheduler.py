@@ -20,6 +20,14 @@ progress. A request whose own update raises is finished with "error" and returne
 are not held back by it. Stop strings are found later, on the detokenized text, by the engine's
 output processor, which finishes the request through `finish()` in the same step.
 
+Speculative decoding (`config.speculative_config`): a running request that is decoding proposes draft
+tokens (`spec_decode.SpecDecodePolicy`, in this process), scheduled as extra query tokens of its row
+(`scheduled_spec_decode_tokens`): they count against the token budget and get KV slots. A request whose
+drafts do not fit the free blocks decodes without them before anyone is preempted. The workers return
+the accepted drafts and one more token; the rejected drafts' slots stay the request's and the next step
+overwrites them (a block enters the prefix cache only once its tokens are computed and accepted).
+Requests with structured outputs do not speculate.
+
 Parallel sampling: a request's copies (`add_request(req, copies)`) wait until its prompt is computed;
 in the step that samples its first token, `_fork` shares its prompt blocks with them, so the prompt is
 prefilled once and each copy computes at most one block of it.
@@ -42,6 +50,7 @@ from asyncexec.messages import (
     PromptLogprobs,
     SchedulerOutput,
 )
+from asyncexec.spec_decode.policy import SpecDecodePolicy
 
 __all__ = ["Request", "RequestStatus", "Scheduler"]
 
@@ -55,6 +64,8 @@ class _StepBuilder:
     cached: CachedRequestData = field(default_factory=CachedRequestData)
     num_scheduled: dict[str, int] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    speculate: bool = False  # whether decoding requests propose drafts in this step
 
 
 class Scheduler:
@@ -82,6 +93,8 @@ class Scheduler:
         self.num_preemptions = 0
         # Parallel sampling: the copies of a request that wait for its prompt to be computed once.
         self.forks: dict[str, list[Request]] = {}
+        spec = config.speculative_config
+        self.spec = SpecDecodePolicy(spec) if spec is not None else None
 
     # ----- requests ---------------------------------------------------------------------------------
 
@@ -107,6 +120,8 @@ class Scheduler:
             self.waiting.remove(req)
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         self.kv.free(req_id)
+        if self.spec is not None:
+            self.spec.forget(req_id)
         self.kv.no_prefix_lookup.discard(req_id)
         if req.known_to_workers:
             self._finished_ids.append(req_id)
@@ -166,12 +181,14 @@ class Scheduler:
             "prefix_cache_hits": kv.stats.hits,
             "prefix_cache_hit_rate": kv.stats.hit_rate,
             "num_preemptions": self.num_preemptions,
+            **(self.spec.stats.as_dict() if self.spec is not None else {}),
         }
 
     # ----- one step ---------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         step = _StepBuilder(self.config.max_num_batched_tokens)
+        step.speculate = self.spec is not None and self.spec.enabled_for_batch(len(self.running))
         self._schedule_running(step)
         if not step.preempted:  # no admission in a step that had to preempt
             self._schedule_waiting(step)
@@ -184,6 +201,7 @@ class Scheduler:
             sum(step.num_scheduled.values()),
             finished,
             step.preempted,
+            scheduled_spec_decode_tokens=step.spec_tokens,
         )
 
     def _schedule_running(self, step: _StepBuilder) -> None:
@@ -192,15 +210,41 @@ class Scheduler:
         for req in list(self.running):
             if step.budget == 0 or req.status is not RequestStatus.RUNNING:
                 continue
+            drafts = self._drafts(req, step)
             n = self._cap_prefill(req, min(req.num_tokens - req.num_computed_tokens, step.budget))
-            while (new_blocks := self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)) is None:
+            new_blocks = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n + len(drafts))
+            if new_blocks is None:  # decode without the drafts before preempting anyone for them
+                drafts = []
+            while (
+                new_blocks is None
+                and (new_blocks := self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n))
+                is None
+            ):
                 victim = self.running[-1]
                 self._preempt(victim)
                 step.preempted.append(victim.request_id)
                 if victim is req:
                     break
             if new_blocks is not None:
-                self._emit(step, req, n, new_blocks)
+                if drafts:
+                    step.spec_tokens[req.request_id] = drafts
+                self._emit(step, req, n + len(drafts), new_blocks)
+
+    def _drafts(self, req: Request, step: _StepBuilder) -> list[int]:
+        """A decoding request's draft tokens for this step (speculative decoding), within what the step's
+        budget, its `max_tokens` and the model length leave for them; [] for a request that does not
+        speculate now."""
+        if not step.speculate or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        if req.structured_output_request is not None:  # its grammar would have to check every draft
+            return []
+        assert self.spec is not None
+        limit = min(
+            step.budget - 1,
+            req.sampling_params.max_tokens - len(req.output_token_ids) - 1,
+            self.max_model_len - req.num_tokens - 1,
+        )
+        return self.spec.propose(req.request_id, req.all_token_ids, limit) if limit > 0 else []
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
         """Waiting requests, in order, after a prefix-cache lookup, while budget, sequence slots and
@@ -285,13 +329,18 @@ class Scheduler:
         (their blocks freed), and the others go on."""
         progressed: list[tuple[Request, list[int]]] = []
         failed: list[tuple[Request, Exception]] = []
-        for i, (rid, toks) in enumerate(zip(out.req_ids, out.sampled_token_ids, strict=True)):
+        row = 0  # `out.logprobs` has a row per sampled token, requests in order
+        for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True):
+            first, row = row, row + len(toks)
             req = self.requests.get(rid)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             try:
                 plp = out.prompt_logprobs.get(rid)
-                new = self._update_request(req, so.num_scheduled_tokens[rid], toks, out, i, plp)
+                drafts = so.scheduled_spec_decode_tokens.get(rid, ())
+                new = self._update_request(
+                    req, so.num_scheduled_tokens[rid], toks, out, first, plp, len(drafts)
+                )
                 if new is not None:
                     progressed.append((req, new))
             except Exception as e:
@@ -307,26 +356,47 @@ class Scheduler:
         out: ModelRunnerOutput,
         row: int,
         plp: PromptLogprobs | None,
+        num_drafts: int = 0,
     ) -> list[int] | None:
-        """Apply one request's share of a step; the tokens it produced, or None if it produced none."""
+        """Apply one request's share of a step; the tokens it produced, or None if it produced none.
+        `toks` holds one token per logprobs row from `row` on; after `num_drafts` draft tokens, the
+        accepted drafts and the token after them (the rejected drafts' KV is not counted computed)."""
         rid = req.request_id
-        req.num_computed_tokens += num_scheduled
-        if self.kv.has_uncached_full_blocks(rid, req.num_computed_tokens):  # once per block, not per token
-            self.kv.cache_full_blocks(rid, req.all_token_ids, req.num_computed_tokens)
+        if num_drafts:
+            if not 1 <= len(toks) <= num_drafts + 1:
+                raise ValueError(f"{len(toks)} tokens back for a step with {num_drafts} draft tokens")
+            req.num_computed_tokens += len(toks)  # the last token and the accepted drafts
+            assert self.spec is not None
+            self.spec.record(rid, num_drafts, len(toks) - 1)
+        else:
+            req.num_computed_tokens += num_scheduled
         if plp is not None:
             req.add_prompt_logprobs(plp)
         if not toks:
+            self._cache_blocks(req)
             return None
         if rid in self.forks:  # its prompt is computed: the copies share it before it can finish
             self._fork(req)
         if req.sampling_params.max_tokens == 0:  # scoring only: the prompt logprobs were the point
+            self._cache_blocks(req)
             self.finish(rid, "length")
             return []
-        req.append_output(toks, out.logprobs, row)
-        reason = self._stop_reason(req, toks[-1])
+        reason = None
+        for i, tok in enumerate(toks):  # a stop ends the request at its token: later ones are dropped
+            req.append_output([tok], out.logprobs, row + i)
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                toks = toks[: i + 1]
+                break
+        self._cache_blocks(req)
         if reason is not None:
             self.finish(rid, reason)
         return toks
+
+    def _cache_blocks(self, req: Request) -> None:
+        """Register the request's full, computed blocks in the prefix cache (once per block, not per step)."""
+        if self.kv.has_uncached_full_blocks(req.request_id, req.num_computed_tokens):
+            self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
 
     def _fork(self, parent: Request) -> None:
         """Give each waiting copy of `parent` its prompt blocks (all but the block holding the last

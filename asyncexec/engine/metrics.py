@@ -20,7 +20,7 @@ from asyncexec.errors import ExecutorClosedError
 if TYPE_CHECKING:
     from asyncexec.core.scheduler import Request
 
-__all__ = ["FINISH_REASONS", "EngineMetrics"]
+__all__ = ["FINISH_REASONS", "SPEC_POS_KEY", "EngineMetrics"]
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 _LATENCY_BUCKETS = (
@@ -65,6 +65,26 @@ _COUNTERS = {
     "prefix_cache_hits": ("asyncexec_prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "num_preemptions": ("asyncexec_num_preemptions", "Requests preempted for recompute."),
 }
+# Speculative decoding (vLLM's `spec_decode` names), present where `speculative_config` is set.
+_SPEC_GAUGES = {
+    "spec_decode_acceptance_rate": (
+        "asyncexec_spec_decode_acceptance_rate",
+        "Accepted draft tokens per draft token proposed, since start (0-1).",
+    ),
+    "spec_decode_mean_acceptance_length": (
+        "asyncexec_spec_decode_mean_acceptance_length",
+        "Tokens a request's verify step produced on average, since start: 1 + accepted drafts.",
+    ),
+}
+_SPEC_COUNTERS = {
+    "spec_decode_num_drafts": ("asyncexec_spec_decode_num_drafts", "Verify steps of a request (drafts)."),
+    "spec_decode_num_draft_tokens": ("asyncexec_spec_decode_num_draft_tokens", "Draft tokens proposed."),
+    "spec_decode_num_accepted_tokens": (
+        "asyncexec_spec_decode_num_accepted_tokens",
+        "Draft tokens accepted.",
+    ),
+}
+SPEC_POS_KEY = "spec_decode_num_accepted_tokens_pos_"  # + the draft position, in `stats()`
 
 
 class EngineMetrics:
@@ -145,3 +165,18 @@ class _StateCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=stats[key])
         for key, (name, doc) in _COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=stats[key])
+        if "spec_decode_num_drafts" not in stats:
+            return
+        for key, (name, doc) in _SPEC_GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=stats[key])
+        for key, (name, doc) in _SPEC_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=stats[key])
+        per_pos = CounterMetricFamily(
+            "asyncexec_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position in the draft (0 first).",
+            labels=["position"],
+        )
+        for key, value in stats.items():
+            if key.startswith(SPEC_POS_KEY):
+                per_pos.add_metric([key[len(SPEC_POS_KEY) :]], value)
+        yield per_pos

@@ -147,15 +147,7 @@ class OutputProcessor:
                 detok = self._detok[req.request_id] = RequestDetokenizer(
                     self.tokenizer, [], sp.include_stop_str_in_output
                 )
-            # As in vLLM, stop strings count only once min_tokens are out.
-            detok.stop = sp.stop_strings if len(req.output_token_ids) >= sp.min_tokens else []
-            grammar_end = (
-                req.structured_output_request is not None and req.structured_output_request.terminated
-            )
-            stopped_by_token = req.finish_reason == "stop" and not grammar_end  # its last token is text
-            stop = detok.update(req.output_token_ids, req.finish_reason is not None, stopped_by_token)
-            if stop is not None:
-                self._stop(req, stop)
+            self._find_stop(req, detok, new_tokens)
             text = detok.output_text(req.finish_reason is not None)
             if req.finish_reason is not None:
                 del self._detok[req.request_id]
@@ -173,6 +165,29 @@ class OutputProcessor:
             prompt_logprobs=_prompt_list(req.prompt_logprobs, req, sp),
             prompt_logprob_ranks=_prompt_list(req.prompt_logprob_ranks, req, sp),
         )
+
+    def _find_stop(self, req: Request, detok: RequestDetokenizer, new_tokens: list[int]) -> None:
+        """Detokenize the step's tokens and look for stop strings. Several new tokens (a speculative step)
+        are taken one at a time while stop strings are set: the request ends at the token that completes
+        one, as it would have without speculation, and the tokens after it are dropped (from `new_tokens`
+        too, in place)."""
+        sp = req.sampling_params
+        out = req.output_token_ids
+        grammar_end = req.structured_output_request is not None and req.structured_output_request.terminated
+        stopped_by_token = req.finish_reason == "stop" and not grammar_end  # its last token is text
+        first = len(out) - len(new_tokens) + 1 if sp.stop_strings and len(new_tokens) > 1 else len(out)
+        for end in range(first, len(out) + 1):
+            last = end == len(out)
+            # As in vLLM, stop strings count only once min_tokens are out.
+            detok.stop = sp.stop_strings if end >= sp.min_tokens else []
+            ids = out if last else out[:end]
+            stop = detok.update(ids, last and req.finish_reason is not None, last and stopped_by_token)
+            if stop is not None:
+                if not last:
+                    del new_tokens[len(new_tokens) - (len(out) - end) :]
+                    req.truncate_output(end)
+                self._stop(req, stop)
+                return
 
     def _stop(self, req: Request, stop: str) -> None:
         """A stop string matched: the request ends now with "stop" (over a length stop of the same step)."""

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import types
 import typing
 from typing import Any, Literal
 
 from asyncexec.config import EngineConfig
+from asyncexec.errors import ConfigError
+from asyncexec.spec_decode import SpeculativeConfig
 
 __all__ = ["add_engine_args", "engine_config_from_args"]
 
@@ -44,6 +47,8 @@ def _converter(name: str, tp: Any) -> tuple[Any, dict[str, Any]]:
     base = next(a for a in args if a is not type(None)) if optional else tp
     if base is bool:
         return None, {"action": argparse.BooleanOptionalAction}
+    if base is SpeculativeConfig:
+        return _nullable(_json_config, optional), {"metavar": "JSON"}
     if typing.get_origin(base) is tuple:
         return _nullable(int, optional), {"nargs": "+", "metavar": "N"}
     if typing.get_origin(base) is Literal:
@@ -58,6 +63,21 @@ def _converter(name: str, tp: Any) -> tuple[Any, dict[str, Any]]:
         return _nullable(choice, optional), {"metavar": metavar}
     base_type = {int: int, float: float, str: str}[base]
     return _nullable(base_type, optional), {"metavar": base_type.__name__.upper()}
+
+
+def _json_config(text: str) -> SpeculativeConfig:
+    """`--speculative-config '{"method": "ngram", ...}'`: JSON, checked as the config checks it."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from e
+    try:
+        return SpeculativeConfig.from_value(value)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+_json_config.__name__ = "JSON"
 
 
 def _nullable(conv: Any, optional: bool) -> Any:

@@ -7,11 +7,16 @@ decode step carries no token ids at all.
 
 `prepare` turns the scheduled requests into the step's flat inputs, written into preallocated buffers:
 decode rows (one token) first, then prefill chunks, in the scheduler's order within each group.
+
+Speculative decoding: a request with draft tokens (`scheduled_spec_decode_tokens`) is a row of 1 + k
+query tokens, its last sampled token and the drafts, attended like a prefill chunk; it keeps logits at
+all 1 + k positions (`sample_counts`), which verify the drafts. The drafts are not added to its tokens:
+the runner appends the ones its sampler accepted.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -37,6 +42,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)  # this step's draft tokens
 
 
 @dataclass
@@ -55,6 +61,7 @@ class PreparedBatch:
     prefill_block_ids: list[torch.Tensor]
     logits_indices: torch.Tensor
     sample_rows: list[int]  # rows of req_ids that produce a token this step
+    sample_counts: list[int]  # logits rows of each of them, in order (1, or 1 + its draft tokens)
     decode_buckets: list[tuple[int, int, int]]  # (first row, end row, blocks needed) per decode group
 
 
@@ -72,7 +79,7 @@ class InputBatch:
         self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int64)
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int64)
         self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int64)
-        self.logits_indices = torch.zeros(max_num_seqs, dtype=torch.int64)
+        self.logits_indices = torch.zeros(max_num_tokens, dtype=torch.int64)
         # numpy views of the buffers, written row by row in `prepare`
         self._ids, self._pos, self._slots = (
             self.input_ids.numpy(),
@@ -109,6 +116,20 @@ class InputBatch:
             else:
                 st.block_ids.extend(c.new_block_ids[i])
             st.token_ids.extend(c.new_token_ids[i])
+        drafts = so.scheduled_spec_decode_tokens
+        for rid, n in so.num_scheduled_tokens.items():
+            st = self.requests.get(rid)
+            if st is None:
+                continue  # `prepare` names it
+            st.spec_token_ids = list(drafts.get(rid, ()))
+            if st.spec_token_ids and (
+                n != 1 + len(st.spec_token_ids) or st.num_computed_tokens != len(st.token_ids) - 1
+            ):
+                raise ProtocolError(
+                    f"request {rid!r}: {len(st.spec_token_ids)} draft tokens in a row of {n} tokens, "
+                    f"{st.num_computed_tokens} of its {len(st.token_ids)} tokens computed (drafts need a "
+                    "decoding request and one row of 1 + drafts tokens)"
+                )
 
     def prepare(self, so: SchedulerOutput) -> PreparedBatch:
         sched = so.num_scheduled_tokens
@@ -118,19 +139,29 @@ class InputBatch:
         prefills: list[tuple[int, int, int]] = []
         prefill_blocks: list[torch.Tensor] = []
         sample_rows: list[int] = []
+        sample_counts: list[int] = []
+        num_logits = 0
         for row, rid in enumerate(order):
             n = sched[rid]
             st = self._scheduled_state(rid, n)
             end = st.num_computed_tokens + n
-            self._ids[t : t + n] = st.token_ids[st.num_computed_tokens : end]
+            drafts = st.spec_token_ids
+            if drafts:
+                self._ids[t] = st.token_ids[-1]
+                self._ids[t + 1 : t + n] = drafts
+            else:
+                self._ids[t : t + n] = st.token_ids[st.num_computed_tokens : end]
             if n == 1:
                 max_blocks = max(max_blocks, self._write_decode(row, t, st))
             else:
                 prefills.append((t, n, end))
                 prefill_blocks.append(self._write_prefill(t, n, st))
-            if end == len(st.token_ids):
-                self._logits_idx[len(sample_rows)] = t + n - 1
+            if end == len(st.token_ids) + len(drafts):
+                m = 1 + len(drafts)  # a verify row keeps the logits of every position
+                self._logits_idx[num_logits : num_logits + m] = np.arange(t + n - m, t + n)
+                num_logits += m
                 sample_rows.append(row)
+                sample_counts.append(m)
             t += n
         return PreparedBatch(
             order,
@@ -143,8 +174,9 @@ class InputBatch:
             self.seq_lens[:num_decodes],
             prefills,
             prefill_blocks,
-            self.logits_indices[: len(sample_rows)],
+            self.logits_indices[:num_logits],
             sample_rows,
+            sample_counts,
             self._decode_groups(num_decodes, max_blocks),
         )
 
@@ -168,7 +200,11 @@ class InputBatch:
             raise ProtocolError(f"request {rid!r} is scheduled but unknown to this worker")
         c, bs = st.num_computed_tokens, self.block_size
         need = -(-(c + n) // bs)
-        if c + n > len(st.token_ids) or need > len(st.block_ids) or need > self.max_blocks_per_seq:
+        if (
+            c + n > len(st.token_ids) + len(st.spec_token_ids)
+            or need > len(st.block_ids)
+            or need > self.max_blocks_per_seq
+        ):
             raise ProtocolError(
                 f"request {rid!r}: {n} tokens scheduled after {c} computed, but it has "
                 f"{len(st.token_ids)} tokens and {len(st.block_ids)} blocks of {bs}"
@@ -206,6 +242,7 @@ class InputBatch:
             groups.append((s, e, -(-int(seq_lens[e - 1]) // bs)))  # rows are sorted: the last is longest
         return groups
 
-    def append_sampled(self, req_ids: list[str], tokens: list[int]) -> None:
-        for rid, tok in zip(req_ids, tokens, strict=True):
-            self.requests[rid].token_ids.append(tok)
+    def append_sampled(self, req_ids: list[str], tokens: list[list[int]]) -> None:
+        """Each request's tokens of this step (one, or the accepted drafts and the token after them)."""
+        for rid, toks in zip(req_ids, tokens, strict=True):
+            self.requests[rid].token_ids.extend(toks)

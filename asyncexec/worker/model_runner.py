@@ -2,11 +2,13 @@
 
 One step: `InputBatch.update_states` (deltas) -> `InputBatch.prepare` (flat inputs in preallocated
 buffers) -> graph replay for a uniform decode batch that fits a captured size (the runner's own graph
-runner, built by `capture_model`), else the eager forward -> sample -> `ModelRunnerOutput`.
+runner, built by `capture_model`), else the eager forward -> sample (a speculative row: every position,
+then its drafts verified, `spec_verify`) -> `ModelRunnerOutput`.
 
 The forward is one flattened call: `input_ids [1, T]`, explicit `position_ids [1, T]` (RoPE and GPT-2's
 absolute positions need them), `use_cache=False` (no DynamicCache), `logits_to_keep` = the last token of
-every row that samples, and the step's `AttentionMetadata` as a kwarg that reaches every layer.
+every row that samples (every token of a verify row), and the step's `AttentionMetadata` as a kwarg that
+reaches every layer.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from asyncexec.worker.memory import FileMappings, drop_file_pages, own_weights, 
 from asyncexec.worker.model_checks import auto_dtype, check_architecture, model_max_len
 from asyncexec.worker.prompt_logprobs import PromptLogprobsRows
 from asyncexec.worker.sampler import Sampler
+from asyncexec.worker.spec_verify import accepted_prefix, draft_histories
 
 __all__ = ["NULL_BLOCK", "ModelRunner"]
 
@@ -294,28 +297,38 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         t_sample = time.perf_counter()
         self.stats["forward_s"] += t_sample - t
-        rows = batch.sample_rows
+        rows, counts = batch.sample_rows, batch.sample_counts
         ids = [batch.req_ids[r] for r in rows]
         states = [self.input_batch.requests[rid] for rid in ids]
+        params, positions, histories, prompt_lens, row_ids = [], [], [], [], []
+        for rid, st, m in zip(ids, states, counts, strict=True):  # a verify row samples 1 + k rows
+            hist = (
+                draft_histories(st.token_ids, st.spec_token_ids) if st.sampling_params.needs_history else None
+            )
+            for j in range(m):
+                params.append(st.sampling_params)
+                positions.append(len(st.token_ids) + j)
+                histories.append(st.token_ids if hist is None else hist[j])
+                prompt_lens.append(num_prompt.get(rid, len(st.token_ids)))
+                row_ids.append(rid)
+        num_logits = len(params)
         sampled, logprobs = self.sampler(
-            logits[: len(rows)],
-            [s.sampling_params for s in states],
-            [len(s.token_ids) for s in states],
-            [s.token_ids for s in states],
-            [num_prompt.get(rid, len(s.token_ids)) for rid, s in zip(ids, states, strict=True)],
-            req_ids=ids,
+            logits[:num_logits], params, positions, histories, prompt_lens, req_ids=row_ids
         )
         self.stats["sample_s"] += time.perf_counter() - t_sample
-        prompt_lps = prompt_rows.gather(logits[len(rows) :]) if prompt_rows is not None else {}
-        self.input_batch.append_sampled(ids, sampled)
+        prompt_lps = prompt_rows.gather(logits[num_logits:]) if prompt_rows is not None else {}
         per_row: list[list[int]] = [[] for _ in batch.req_ids]
-        for r, tok in zip(rows, sampled, strict=True):
-            per_row[r] = [tok]
+        kept: list[int] = []  # the sampler rows whose tokens are emitted, requests in order
+        at = 0
+        for r, st, m in zip(rows, states, counts, strict=True):
+            a = accepted_prefix(st.spec_token_ids, sampled[at : at + m]) if m > 1 else 0
+            per_row[r] = sampled[at : at + a + 1]
+            kept.extend(range(at, at + a + 1))
+            at += m
+        self.input_batch.append_sampled(ids, [per_row[r] for r in rows])
         self.stats["steps"] += 1
         self.stats["execute_s"] += time.perf_counter() - start
-        return ModelRunnerOutput(
-            batch.req_ids, per_row, _align(logprobs, rows, len(batch.req_ids)), prompt_lps
-        )
+        return ModelRunnerOutput(batch.req_ids, per_row, _rows(logprobs, kept), prompt_lps)
 
     def _forward(self, b: PreparedBatch) -> torch.Tensor:
         if self.graphs is not None and b.num_decodes == len(b.req_ids):
@@ -351,13 +364,12 @@ class ModelRunner:
         return result
 
 
-def _align(lp: Logprobs | None, rows: list[int], n: int) -> Logprobs | None:
-    """Spread per-sampled-row logprobs over all `n` rows (empty where a row sampled nothing)."""
-    if lp is None:
-        return None
-    ids: list[list[int]] = [[] for _ in range(n)]
-    vals: list[list[float]] = [[] for _ in range(n)]
-    ranks = [0] * n
-    for i, r in enumerate(rows):
-        ids[r], vals[r], ranks[r] = lp.token_ids[i], lp.logprobs[i], lp.sampled_token_ranks[i]
-    return Logprobs(ids, vals, ranks)
+def _rows(lp: Logprobs | None, rows: list[int]) -> Logprobs | None:
+    """The logprobs of the sampler rows `rows` only (the emitted tokens'), in that order."""
+    if lp is None or len(rows) == len(lp.token_ids):
+        return lp
+    return Logprobs(
+        [lp.token_ids[i] for i in rows],
+        [lp.logprobs[i] for i in rows],
+        [lp.sampled_token_ranks[i] for i in rows],
+    )

@@ -34,7 +34,7 @@ def test_prompt_that_fills_blocks_exactly_then_crosses_into_a_new_block() -> Non
     assert p.slot_mapping.tolist() == [28, 29, 30, 31, 12, 13, 14, 15]
     assert p.positions.tolist() == list(range(8)) and p.sample_rows == [0]
     assert p.prefills == [(0, 8, 8)] and p.prefill_block_ids[0].tolist() == [7, 3]
-    b.append_sampled(["a"], [555])
+    b.append_sampled(["a"], [[555]])
     so = _cached("a", [9], 8, 1)  # the 9th token opens block 9
     b.update_states(so)
     p = b.prepare(so)
@@ -67,7 +67,7 @@ def test_chunked_prefill_samples_only_at_the_end_of_the_prompt() -> None:
 def test_decode_rows_come_first_and_padded_table_entries_are_reset() -> None:
     b = _batch()
     b.update_states(_new("long", list(range(12)), [1, 2, 3], 12))
-    b.append_sampled(["long"], [1])
+    b.append_sampled(["long"], [[1]])
     so = SchedulerOutput(
         1,
         [NewRequestData("short", [5, 6, 7], SP, [4], 0)],
@@ -84,7 +84,7 @@ def test_decode_rows_come_first_and_padded_table_entries_are_reset() -> None:
 def test_preempted_request_is_resumed_with_new_blocks_and_keeps_its_tokens() -> None:
     b = _batch()
     b.update_states(_new("p", [1, 2, 3], [0], 3))
-    b.append_sampled(["p"], [99])
+    b.append_sampled(["p"], [[99]])
     b.update_states(SchedulerOutput(1, [], CachedRequestData(), {}, 0, preempted_req_ids=["p"]))
     assert b.requests["p"].block_ids == [] and b.requests["p"].token_ids == [1, 2, 3, 99]
     so = _cached("p", [11], 0, 4, resumed=True)

@@ -35,7 +35,7 @@ from asyncexec.worker.memory import FileMappings, drop_file_pages, own_weights, 
 from asyncexec.worker.model_checks import auto_dtype, check_architecture, model_max_len
 from asyncexec.worker.prompt_logprobs import PromptLogprobsRows
 from asyncexec.worker.sampler import Sampler
-from asyncexec.worker.spec_verify import accepted_prefix, draft_histories
+from asyncexec.worker.spec_verify import accepted_tokens, draft_histories
 
 __all__ = ["NULL_BLOCK", "ModelRunner"]
 
@@ -321,9 +321,9 @@ class ModelRunner:
         kept: list[int] = []  # the sampler rows whose tokens are emitted, requests in order
         at = 0
         for r, st, m in zip(rows, states, counts, strict=True):
-            a = accepted_prefix(st.spec_token_ids, sampled[at : at + m]) if m > 1 else 0
-            per_row[r] = sampled[at : at + a + 1]
-            kept.extend(range(at, at + a + 1))
+            toks = accepted_tokens(st.spec_token_ids, sampled[at : at + m]) if m > 1 else sampled[at : at + 1]
+            per_row[r] = toks
+            kept.extend(range(at, at + len(toks)))
             at += m
         self.input_batch.append_sampled(ids, [per_row[r] for r in rows])
         self.stats["steps"] += 1

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["accepted_prefix", "draft_histories"]
+__all__ = ["accepted_prefix", "accepted_tokens", "draft_histories"]
 
 
 def draft_histories(token_ids: list[int], drafts: Sequence[int]) -> list[list[int]]:
@@ -36,3 +36,9 @@ def accepted_prefix(drafts: Sequence[int], sampled: Sequence[int]) -> int:
     while a < len(drafts) and drafts[a] == sampled[a]:
         a += 1
     return a
+
+
+def accepted_tokens(drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:
+    """The tokens a verify row emits: its accepted drafts, then the sample of the first row that
+    disagreed (or of the last row)."""
+    return list(sampled[: accepted_prefix(drafts, sampled) + 1])

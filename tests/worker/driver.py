@@ -44,6 +44,7 @@ class Driver:
         self.num_preemptions = 0
         self.mixed_steps = 0  # steps holding both a decode and a prefill chunk
         self.chunked = 0  # prefill chunks that did not reach the end of their prompt
+        self.stats: dict[str, float] = {}  # the scheduler's, at the end (speculative decoding's counters)
 
     def add(self, req: Req) -> None:
         self.reqs.append(req)
@@ -64,6 +65,7 @@ class Driver:
             if sched.has_work():
                 await self._step(core)
         self.num_preemptions = sched.num_preemptions
+        self.stats = sched.stats()
         return {r.req_id: r.out for r in self.reqs}
 
     async def _step(self, core: EngineCore) -> None:

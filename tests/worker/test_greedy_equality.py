@@ -66,11 +66,13 @@ async def start_with_cache(cfg: EngineConfig) -> tuple[Executor, int]:
     return ex, num_blocks
 
 
-async def run_and_compare(model: Path, cfg: EngineConfig, seed: int) -> tuple[Driver, list[Any], int]:
+async def run_and_compare(
+    model: Path, cfg: EngineConfig, seed: int, reqs: list[Req] | None = None
+) -> tuple[Driver, list[Any], int]:
     """The workload through the executor against HF greedy, token for token; (driver, runner stats,
     KV blocks). 16 usable blocks (block 0 is the null block): too few for all requests at once, so blocks
     are reused and running requests are preempted."""
-    reqs = workload(seed)
+    reqs = workload(seed) if reqs is None else reqs
     refs = hf_greedy(model, [r.prompt for r in reqs], max_new_tokens=max(r.max_tokens for r in reqs))
     ex, num_blocks = await start_with_cache(cfg)
     try:
@@ -154,3 +156,42 @@ async def test_graph_steps_call_the_compiled_layers_without_dynamos_guards(
     _, stats, _ = await run_and_compare(model, config(model, "uni", 1), seed=2)
     assert stats[0]["graph_steps"] > 0
     assert stats[0]["guard_free_steps"] == stats[0]["graph_steps"]
+
+
+SPEC_CASES: list[tuple[str, ExecutorKind, int, bool]] = [
+    ("llama", "uni", 1, False),
+    ("llama", "uni", 1, True),
+    ("llama", "mp", 2, False),
+    ("qwen2", "mp", 2, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("arch", "kind", "ranks", "eager"),
+    SPEC_CASES,
+    ids=[f"{a}-{k}{n}{'-eager' * e}" for a, k, n, e in SPEC_CASES],
+)
+async def test_speculative_decoding_equals_hf_generate(
+    tiny_models: dict[str, Path], arch: str, kind: ExecutorKind, ranks: int, eager: bool
+) -> None:
+    """n-gram drafts verified in the step's forward, amid chunked prefills and preemption, on one rank and
+    two (every rank verifies the same drafts: `check_rank_agreement`): greedy output equals HF's."""
+    rng = random.Random(7)
+    greedy = SamplingParams(temperature=0.0)
+    reqs = []
+    for i in range(8):  # prompts that repeat a phrase (drafts to find) and prompts that do not
+        phrase = [rng.randrange(256) for _ in range(rng.randint(3, 7))]
+        prompt = (
+            phrase * rng.randint(2, 5)
+            if i % 2 == 0
+            else [rng.randrange(256) for _ in range(rng.randint(3, 30))]
+        )
+        reqs.append(Req(f"r{i}", prompt, rng.choice([8, 16, 24]), greedy, arrive=rng.choice([0, 0, 2, 5])))
+    spec = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": None}
+    cfg = config(tiny_models[arch], kind, ranks, speculative_config=spec, enforce_eager=eager)
+    driver, stats, _ = await run_and_compare(tiny_models[arch], cfg, seed=0, reqs=reqs)
+    assert driver.stats["spec_decode_num_drafts"] >= 10, driver.stats
+    assert driver.stats["spec_decode_num_accepted_tokens"] >= 10, driver.stats
+    assert driver.num_preemptions > 0 and driver.chunked > 0
+    if not eager:  # the verify rows ran the compiled mixed-step graph, not eager layers
+        assert all(s["mixed_graph_steps"] >= driver.stats["spec_decode_num_drafts"] / 8 for s in stats), stats

@@ -29,7 +29,7 @@ Target = Callable[[Sequence[int]], int]
 
 
 def test_a_dict_becomes_the_validated_config_and_travels_as_msgpack() -> None:
-    cfg = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    cfg = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3})  # type: ignore[arg-type]
     assert cfg.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(cfg), type=EngineConfig)
     assert back == cfg and isinstance(back.speculative_config, SpeculativeConfig)
@@ -159,7 +159,8 @@ def step(sched: Scheduler, target: Target = periodic) -> tuple[SchedulerOutput, 
     """One step; a worker that samples `target` at every position of a row that reaches its end, and keeps
     the drafts up to the first that differs (the real worker's rule)."""
     so = sched.schedule()
-    ids, toks = [], []
+    ids: list[str] = []
+    toks: list[list[int]] = []
     for rid, n in so.num_scheduled_tokens.items():
         req = sched.requests[rid]
         drafts = so.scheduled_spec_decode_tokens.get(rid, [])
@@ -190,7 +191,11 @@ PROMPT = [11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11, 12]
 
 def test_outputs_with_speculation_equal_plain_decoding_in_fewer_steps() -> None:
     outs, steps = [], []
-    for spec in (None, {"num_speculative_tokens": 4, "disable_by_batch_size": None}):
+    specs: list[dict[str, object] | None] = [
+        None,
+        {"num_speculative_tokens": 4, "disable_by_batch_size": None},
+    ]
+    for spec in specs:
         sched = make(spec=spec)
         reqs = [add(sched, f"r{i}", [*PROMPT[i:], 20 + i], max_tokens=30 + i) for i in range(3)]
         steps.append(run(sched))

@@ -35,7 +35,7 @@ OPEN = [
     "What are three good reasons to learn a second language?",
     "The capital of France is",
 ]
-SPEC = {"num_speculative_tokens": 4, "disable_by_batch_size": None}
+SPEC: dict[str, Any] = {"num_speculative_tokens": 4, "disable_by_batch_size": None}
 SPEC_CONFIG = SpeculativeConfig.from_value(SPEC)
 
 
@@ -61,7 +61,7 @@ async def run_all(
 ) -> tuple[list[Any], dict[str, Any]]:
     async with AsyncEngine(cfg) as engine:
         outs = await asyncio.gather(*(final(engine, p, sp) for p, sp in requests))
-        stats = engine.stats()
+        stats: dict[str, Any] = dict(engine.stats())
         stats["metrics"] = engine.metrics.render().decode()
         stats["runner"] = (await engine.collective_rpc("get_runner_stats"))[0]
     return outs, stats
@@ -169,7 +169,9 @@ async def test_sampling_with_speculation_keeps_the_target_distribution(
     prompt = "one two three four five one two three four five one two three four five one two"
     sp = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
     n = 1500
-    cfg = EngineConfig(model="smollm2", max_num_seqs=64, max_waiting_requests=n, speculative_config=SPEC)
+    cfg = EngineConfig(
+        model="smollm2", max_num_seqs=64, max_waiting_requests=n, speculative_config=SPEC_CONFIG
+    )
     async with AsyncEngine(cfg) as engine:
         sched = engine.scheduler
         assert sched is not None and sched.spec is not None
@@ -184,7 +186,7 @@ async def test_sampling_with_speculation_keeps_the_target_distribution(
 
         plain = await sample(False)
         spec = await sample(True)
-        drafted = sched.spec.stats  # type: ignore[union-attr]
+        drafted = sched.spec.stats
         broken_rule = lambda drafts, sampled: [*drafts, sampled[len(drafts)]]  # noqa: E731  (no check)
         monkeypatch.setattr("asyncexec.worker.model_runner.accepted_tokens", broken_rule)
         broken = await sample(True)

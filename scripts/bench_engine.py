@@ -18,9 +18,12 @@ stream's gap, TTFT and per-step breakdown for bf16 eager, bf16 graph, int8 and i
 `--scale`: the real-size benchmark instead (see `bench_scale.py`, which takes its other options): a random
 llama of Llama-3.2-1B's shape (`--size 3b`: 3B's) in bf16, int8 and int4: resident and peak memory, time to
 ready, a lone stream's gap against the byte floor, tokens/s at 16 and 32 streams, TTFT of 1,024 tokens.
+`--speculative`: speculative decoding (n-gram) against plain decoding instead (see `bench_spec.py`, which
+takes its other options, `--speculative-config` among them): a lone stream's tokens/s on input-grounded
+and open-ended tasks with the acceptance figures, and 2-32 streams at once.
 Writes JSON. Usage: python scripts/bench_engine.py [--model NAME|DIR] [--dtype float32 bfloat16]
 [--requests N] [--peers ...] [--quantization int8] [--quick] | --single-stream [--streams N]
-| --scale [--size 1b|3b] [--quantization bf16 int8 int4]
+| --scale [--size 1b|3b] [--quantization bf16 int8 int4] | --speculative [--speculative-config JSON]
 """
 
 from __future__ import annotations
@@ -175,6 +178,11 @@ def main() -> None:
 
         bench_scale.main([a for a in sys.argv[1:] if a != "--scale"])
         return
+    if "--speculative" in sys.argv[1:]:  # bench_spec.py parses the rest
+        import bench_spec
+
+        bench_spec.main([a for a in sys.argv[1:] if a != "--speculative"])
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="built-in name or HF folder (default: smollm2)")
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
@@ -187,6 +195,9 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true", help="also the per-step breakdown (bench_graph)")
     ap.add_argument("--single-stream", action="store_true", help="the lone-stream benchmark instead")
     ap.add_argument("--scale", action="store_true", help="the real-size benchmark instead (bench_scale.py)")
+    ap.add_argument(
+        "--speculative", action="store_true", help="speculative decoding against plain (bench_spec.py)"
+    )
     ap.add_argument("--streams", type=int, default=3, help="--single-stream: lone streams per config")
     ap.add_argument("--rounds", type=int, default=1, help="--single-stream: rounds of every config (median)")
     ap.add_argument("--json", default=None, help="default bench-results/bench_engine[_single].json")

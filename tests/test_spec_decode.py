@@ -104,30 +104,35 @@ def test_verification_keeps_the_drafts_up_to_the_first_disagreement() -> None:
 def test_the_policy_backs_off_a_request_that_misses_and_grows_one_that_hits() -> None:
     pol = SpecDecodePolicy(SpeculativeConfig(num_speculative_tokens=4))
     toks = [1, 2, 3, 1, 2, 3, 1, 2]
+
+    def skipped() -> int:
+        n = 0
+        while not pol.propose("r", toks, 10):
+            n += 1
+        return n
+
     assert pol.propose("r", toks, 10) == [3, 1, 2, 3]
     pol.record("r", 4, 1)  # one accepted: next time 2
     assert pol.propose("r", toks, 10) == [3, 1]
     pol.record("r", 2, 2)  # all accepted: grows by one
     assert pol.propose("r", toks, 10) == [3, 1, 2]
-    skipped = []
+    pol.record("r", 3, 0)  # one miss after hits: the running mean (1.0 -> 0.75) stays above 0.5
+    assert skipped() == 0
+    backoff = []
     for _ in range(4):  # misses in a row: skip 1, 2, 4, 8 steps
         pol.record("r", 1, 0)
-        n = 0
-        while not pol.propose("r", toks, 10):
-            n += 1
-        skipped.append(n)
-    assert skipped == [1, 2, 4, 8]
+        backoff.append(skipped())
+    assert backoff == [1, 2, 4, 8]
     for _ in range(10):
         pol.record("r", 1, 0)
-    n = 0
-    while not pol.propose("r", toks, 10):
-        n += 1
-    assert n == MAX_BACKOFF_STEPS
-    pol.record("r", 1, 1)  # a hit resets the backoff
-    assert pol.propose("r", toks, 10) == [3, 1]
+    assert skipped() == MAX_BACKOFF_STEPS
+    pol.record("r", 1, 1)  # a hit: the mean (~0.5) is back up, no skip, the backoff starts over
+    assert skipped() == 0 and pol.propose("r", toks, 10) == [3, 1]
+    pol.record("r", 2, 0)
+    assert skipped() == 1, "0.25: below again, from the first step of the backoff"
     assert pol.propose("r", toks, 1) == [3], "never past the limit the scheduler gives"
     s = pol.stats
-    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (17, 21, 4)
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (19, 26, 4)
     assert s.accepted_per_pos[:3] == [3, 1, 0]
     assert pol.enabled_for_batch(4) and not pol.enabled_for_batch(5)
 

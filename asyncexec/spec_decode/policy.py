@@ -1,12 +1,14 @@
 """Which requests speculate in a step, how many draft tokens each proposes, and the `spec_decode` counters.
 
 Adaptive, so that speculation does not cost the streams it does not help:
-- **per request**: a request starts at `num_speculative_tokens`. A step whose drafts were all accepted
-  grows its length by one (up to the limit); one that accepted `a` of them sets it to `a + 1`. A step
-  that accepted none makes the request skip proposing for the next 1, 2, 4, ... 32 steps (doubling with
-  each further miss in a row, reset by the first accepted token): a verify step costs more than a plain
-  decode step (it runs the mixed-step graph, and its linears see 1 + k rows), so a stream whose text does
-  not repeat itself soon stops paying for lookups that miss;
+- **per request**: a request starts at `num_speculative_tokens`. A verify step that accepted `a` drafts
+  sets its next length to `a + 1` (one more than what was accepted, up to the limit). It also keeps a
+  running mean of accepted drafts per verify step (each step weighs half); while that mean is below
+  `MIN_ACCEPTED` (0.5), the request skips proposing for the next 1, 2, 4, ... 32 steps (doubling with
+  each further step below it, reset once it is above). A verify step costs 1.2-1.5 plain decode steps
+  on 2 cores (it runs the mixed-step graph, with dynamo's guards, and attends like a prefill chunk), so it
+  pays for itself from about 0.3-0.5 accepted drafts; a stream whose text does not repeat itself soon
+  stops paying for lookups that miss, while one that copies keeps its drafts long;
 - **per batch**: while more than `disable_by_batch_size` requests are running, no request proposes: a
   batch that large is bound by compute rather than by reading the weights, where extra query rows cost
   about what they would cost as other streams' tokens (`docs/design.md`, "Speculative decoding").
@@ -26,6 +28,7 @@ from asyncexec.spec_decode.ngram import NgramProposer
 __all__ = ["SpecDecodePolicy", "SpecDecodeStats"]
 
 MAX_BACKOFF_STEPS = 32
+MIN_ACCEPTED = 0.5  # accepted drafts per verify step (running mean) below which a request backs off
 
 
 @dataclass
@@ -61,7 +64,8 @@ class SpecDecodeStats:
 class _RequestState:
     length: int  # the most drafts it proposes next
     skip: int = 0  # steps left before it proposes again
-    misses: int = 0  # verify steps in a row that accepted nothing
+    misses: int = 0  # verify steps in a row that left the running mean below MIN_ACCEPTED
+    accepted: float = 1.0  # running mean of accepted drafts per verify step (optimistic start)
 
 
 class SpecDecodePolicy:
@@ -97,14 +101,13 @@ class SpecDecodePolicy:
         st = self._reqs.get(req_id)
         if st is None:
             return
-        limit = self.config.num_speculative_tokens
-        if num_accepted == 0:
+        st.length = min(self.config.num_speculative_tokens, num_accepted + 1)
+        st.accepted = 0.5 * st.accepted + 0.5 * num_accepted
+        if st.accepted < MIN_ACCEPTED:
             st.skip = min(1 << st.misses, MAX_BACKOFF_STEPS)
             st.misses += 1
-            st.length = 1
         else:
             st.misses = 0
-            st.length = min(limit, num_accepted + 1)
 
     def forget(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)

@@ -324,7 +324,7 @@ def test_a_preempted_request_recomputes_without_drafts_then_speculates_again() -
 # ----- the worker's batch -------------------------------------------------------------------------------
 
 
-def test_a_verify_row_feeds_the_drafts_and_keeps_logits_at_every_position() -> None:
+def test_a_verify_row_is_a_decode_row_per_token_with_logits_at_every_position() -> None:
     b = InputBatch(max_num_tokens=64, max_num_seqs=8, max_blocks_per_seq=16, block_size=BS)
     sp = SamplingParams(temperature=0.0)
     so = SchedulerOutput(0, [NewRequestData("a", [5, 6, 7], sp, [3, 4], 0)], CachedRequestData(), {"a": 3}, 3)
@@ -338,6 +338,9 @@ def test_a_verify_row_feeds_the_drafts_and_keeps_logits_at_every_position() -> N
     assert p.input_ids.tolist() == [8, 9, 10, 11] and p.positions.tolist() == [3, 4, 5, 6]
     assert p.slot_mapping.tolist() == [15, 16, 17, 18]
     assert p.logits_indices.tolist() == [0, 1, 2, 3] and p.sample_rows == [0] and p.sample_counts == [4]
+    # a decode row per token: the same blocks, each row's length ending at its own token
+    assert p.num_decodes == 4 and not p.prefills and p.decode_seq_lens.tolist() == [4, 5, 6, 7]
+    assert p.decode_block_tables.tolist() == [[3, 0], [3, 4], [3, 4], [3, 4]]
     assert b.requests["a"].token_ids == [5, 6, 7, 8], "drafts are not the request's tokens"
     bad = SchedulerOutput(2, [], c, {"a": 3}, 3, scheduled_spec_decode_tokens={"a": [9, 10, 11]})
     with pytest.raises(ProtocolError, match="3 draft tokens in a row of 3 tokens"):

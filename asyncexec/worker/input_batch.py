@@ -8,10 +8,12 @@ decode step carries no token ids at all.
 `prepare` turns the scheduled requests into the step's flat inputs, written into preallocated buffers:
 decode rows (one token) first, then prefill chunks, in the scheduler's order within each group.
 
-Speculative decoding: a request with draft tokens (`scheduled_spec_decode_tokens`) is a row of 1 + k
-query tokens, its last sampled token and the drafts, attended like a prefill chunk; it keeps logits at
-all 1 + k positions (`sample_counts`), which verify the drafts. The drafts are not added to its tokens:
-the runner appends the ones its sampler accepted.
+Speculative decoding: a request with draft tokens (`scheduled_spec_decode_tokens`) has 1 + k query tokens,
+its last sampled token and the drafts, and keeps logits at all of them (`sample_counts`), which verify
+the drafts. Each of its tokens is a decode row of its own (its position, the request's block table, a
+length that ends at it): so the step stays a decode step, which graph mode replays (the rows' K/V are
+written before any row attends, so each sees the drafts before it). The drafts are not added to its
+tokens: the runner appends the ones its sampler accepted.
 """
 
 from __future__ import annotations
@@ -67,8 +69,15 @@ class PreparedBatch:
 
 class InputBatch:
     def __init__(
-        self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int
+        self,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        max_decode_rows: int | None = None,
     ) -> None:
+        """`max_decode_rows`: decode rows a step may hold (`max_num_seqs`; more with speculative decoding,
+        where a request has a row per draft)."""
         self.block_size = block_size
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
@@ -77,8 +86,9 @@ class InputBatch:
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64)
         self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int64)
-        self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int64)
-        self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int64)
+        rows = min(max_decode_rows or max_num_seqs, max_num_tokens)
+        self.block_tables = torch.zeros(rows, max_blocks_per_seq, dtype=torch.int64)
+        self.seq_lens = torch.zeros(rows, dtype=torch.int64)
         self.logits_indices = torch.zeros(max_num_tokens, dtype=torch.int64)
         # numpy views of the buffers, written row by row in `prepare`
         self._ids, self._pos, self._slots = (
@@ -134,8 +144,7 @@ class InputBatch:
     def prepare(self, so: SchedulerOutput) -> PreparedBatch:
         sched = so.num_scheduled_tokens
         order = self._order(so)
-        num_decodes = sum(1 for n in sched.values() if n == 1)
-        t, max_blocks = 0, 1
+        t, max_blocks, num_decodes = 0, 1, 0
         prefills: list[tuple[int, int, int]] = []
         prefill_blocks: list[torch.Tensor] = []
         sample_rows: list[int] = []
@@ -151,8 +160,10 @@ class InputBatch:
                 self._ids[t + 1 : t + n] = drafts
             else:
                 self._ids[t : t + n] = st.token_ids[st.num_computed_tokens : end]
-            if n == 1:
-                max_blocks = max(max_blocks, self._write_decode(row, t, st))
+            if n == 1 or drafts:  # a decode row per token (a verify row's tokens each attend alone)
+                for j in range(n):
+                    max_blocks = max(max_blocks, self._write_decode(num_decodes, t + j, st, j))
+                    num_decodes += 1
             else:
                 prefills.append((t, n, end))
                 prefill_blocks.append(self._write_prefill(t, n, st))
@@ -181,17 +192,25 @@ class InputBatch:
         )
 
     def _order(self, so: SchedulerOutput) -> list[str]:
-        """The step's rows: decode rows (one token) first, shortest first, then prefill chunks."""
+        """The step's rows: decoding requests (one token, or one and its drafts) first, shortest first,
+        then prefill chunks."""
         sched = so.num_scheduled_tokens
-        if len(sched) > self.max_num_seqs or so.total_num_scheduled_tokens > self.max_num_tokens:
+        drafts = so.scheduled_spec_decode_tokens
+        rows = sum(n for r, n in sched.items() if n == 1 or r in drafts)
+        if (
+            len(sched) > self.max_num_seqs
+            or so.total_num_scheduled_tokens > self.max_num_tokens
+            or rows > len(self.seq_lens)
+        ):
             raise ProtocolError(
-                f"step schedules {len(sched)} requests / {so.total_num_scheduled_tokens} tokens, over "
-                f"max_num_seqs={self.max_num_seqs} / max_num_batched_tokens={self.max_num_tokens}"
+                f"step schedules {len(sched)} requests / {so.total_num_scheduled_tokens} tokens / {rows} "
+                f"decode rows, over max_num_seqs={self.max_num_seqs} / max_num_batched_tokens="
+                f"{self.max_num_tokens} / {len(self.seq_lens)} rows"
             )
         reqs = self.requests
-        decodes = [r for r, n in sched.items() if n == 1]
+        decodes = [r for r, n in sched.items() if n == 1 or r in drafts]
         decodes.sort(key=lambda r: reqs[r].num_computed_tokens if r in reqs else 0)
-        return decodes + [r for r, n in sched.items() if n > 1]
+        return decodes + [r for r, n in sched.items() if n > 1 and r not in drafts]
 
     def _scheduled_state(self, rid: str, n: int) -> CachedRequestState:
         """The state of a request scheduled for `n` tokens, which must have those tokens and blocks."""
@@ -211,9 +230,10 @@ class InputBatch:
             )
         return st
 
-    def _write_decode(self, row: int, t: int, st: CachedRequestState) -> int:
-        """A decode row's position, slot, block table and length; returns the blocks it needs."""
-        c, bs = st.num_computed_tokens, self.block_size
+    def _write_decode(self, row: int, t: int, st: CachedRequestState, j: int = 0) -> int:
+        """A decode row's position, slot, block table and length (the request's token `j` of this step:
+        0, or a draft's); returns the blocks it needs."""
+        c, bs = st.num_computed_tokens + j, self.block_size
         need = -(-(c + 1) // bs)
         self._pos[t] = c
         self._slots[t] = st.block_ids[c // bs] * bs + c % bs
@@ -239,7 +259,9 @@ class InputBatch:
         groups = []
         for s in range(0, num_decodes, DECODE_GROUP):
             e = min(s + DECODE_GROUP, num_decodes)
-            groups.append((s, e, -(-int(seq_lens[e - 1]) // bs)))  # rows are sorted: the last is longest
+            # requests are sorted by length, but a verify row's drafts reach a little further than the
+            # next request's row may: the group's widest row, not its last
+            groups.append((s, e, -(-int(seq_lens[s:e].max()) // bs)))
         return groups
 
     def append_sampled(self, req_ids: list[str], tokens: list[list[int]]) -> None:

@@ -104,11 +104,13 @@ class ModelRunner:
         self.gguf_sources = {}
         trim_heap()  # the load's bf16 weights, calibration and packing are freed: give the pages back
         bs = self.config.block_size
+        spec = self.config.speculative_config
         self.input_batch = InputBatch(
             self.config.max_num_batched_tokens,
             self.config.max_num_seqs,
             math.ceil(self.max_model_len / bs),
             bs,
+            self.config.max_num_seqs * (1 + spec.num_speculative_tokens) if spec else None,
         )
 
     def _load_folder(self, path: str) -> None:
@@ -331,7 +333,7 @@ class ModelRunner:
         return ModelRunnerOutput(batch.req_ids, per_row, _rows(logprobs, kept), prompt_lps)
 
     def _forward(self, b: PreparedBatch) -> torch.Tensor:
-        if self.graphs is not None and b.num_decodes == len(b.req_ids):
+        if self.graphs is not None and not b.prefills:  # decode rows only (verify rows included)
             logits: torch.Tensor | None = self.graphs.replay(b)
             if logits is not None:
                 self.stats["graph_steps"] += 1

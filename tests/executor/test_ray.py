@@ -113,3 +113,21 @@ async def test_greedy_engine_on_ray_equals_hf(tiny_models: dict[str, Path]) -> N
     refs = hf_greedy(tiny_models["llama"], [p for p, _ in work], [m for _, m in work])
     async with AsyncEngine(engine_config(tiny_models["llama"], "ray", 2)) as engine:
         assert await run_all(engine, work) == refs
+
+
+async def test_speculative_decoding_on_ray_equals_hf(tiny_models: dict[str, Path]) -> None:
+    """Both actors verify the same drafts (`check_rank_agreement`): greedy output equals HF's."""
+    import random
+
+    from tests.conftest import hf_greedy
+    from tests.engine.test_engine import engine_config, run_all
+
+    rng = random.Random(5)
+    phrases = [[rng.randrange(256) for _ in range(rng.randint(3, 6))] for _ in range(6)]
+    work = [(p * rng.randint(2, 4), 20) for p in phrases]  # repeated phrases: drafts to find
+    refs = hf_greedy(tiny_models["llama"], [p for p, _ in work], [m for _, m in work])
+    spec = {"prompt_lookup_min": 1, "disable_by_batch_size": None}
+    cfg = engine_config(tiny_models["llama"], "ray", 2, speculative_config=spec, check_rank_agreement=True)
+    async with AsyncEngine(cfg) as engine:
+        assert await run_all(engine, work) == refs
+        assert engine.stats()["spec_decode_num_accepted_tokens"] > 0

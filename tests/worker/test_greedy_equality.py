@@ -193,5 +193,5 @@ async def test_speculative_decoding_equals_hf_generate(
     assert driver.stats["spec_decode_num_drafts"] >= 10, driver.stats
     assert driver.stats["spec_decode_num_accepted_tokens"] >= 10, driver.stats
     assert driver.num_preemptions > 0 and driver.chunked > 0
-    if not eager:  # the verify rows ran the compiled mixed-step graph, not eager layers
-        assert all(s["mixed_graph_steps"] >= driver.stats["spec_decode_num_drafts"] / 8 for s in stats), stats
+    if not eager:  # steps of decode and verify rows alone replay the decode graphs
+        assert all(s["graph_steps"] > 0 and s["guard_free_steps"] == s["graph_steps"] for s in stats), stats

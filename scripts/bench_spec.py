@@ -7,8 +7,9 @@
   to similar code) and open-ended ones (a story, an explanation): tokens/s of the decode (first token to
   last) with and without speculation, the acceptance rate and mean acceptance length;
 - **streams**: 2, 4, 8 and 32 requests at once (half grounded, half open), output tokens/s: plain, the
-  default policy (speculation off above `disable_by_batch_size`), and speculation at every batch size
-  (`disable_by_batch_size: null`), which shows where speculation stops paying (the crossover).
+  default policy, and speculation at every batch size (`disable_by_batch_size: null`), which shows where
+  speculation stops paying (the crossover); and the worst case, open-ended requests only, plain and
+  speculating at every batch size.
 
 Prints ratios to plain decoding per round and their median over rounds; writes JSON
 (bench-results/bench_spec.json).
@@ -128,6 +129,8 @@ async def _child_run(j: dict[str, Any]) -> dict[str, Any]:
         else:
             for n in STREAMS:
                 tasks = [GROUNDED[i % len(GROUNDED)] if i % 2 == 0 else OPEN[i % len(OPEN)] for i in range(n)]
+                if j["what"] == "streams_open":  # the worst case: nothing to copy
+                    tasks = [OPEN[i % len(OPEN)] for i in range(n)]
                 t0 = time.perf_counter()
                 res = await asyncio.gather(*(_one(engine, prompts[t], MAX_TOKENS) for t in tasks))
                 wall = time.perf_counter() - t0
@@ -148,6 +151,8 @@ PEERS = {  # name: (what, speculative_config or None)
     "streams_plain": ("streams", None),
     "streams_spec": ("streams", "spec"),
     "streams_spec_always": ("streams", "always"),
+    "open_streams_plain": ("streams_open", None),
+    "open_streams_spec_always": ("streams_open", "always"),
 }
 
 
@@ -214,6 +219,13 @@ def report(rounds: list[dict[str, Any]], args: argparse.Namespace) -> None:
             s = res.get("streams_spec", {}).get(str(n), {}).get("tok_s", float("nan"))
             a = res.get("streams_spec_always", {}).get(str(n), {}).get("tok_s", float("nan"))
             print(f"{n:7d} {p:7.1f} {s:7.1f} {s / p:6.2f} {a:7.1f} {a / p:6.2f}")
+    print("\nopen-ended streams only (the worst case): output tok/s; speculation at every batch size")
+    print(f"{'streams':>7s} {'plain':>7s} {'always':>7s} {'ratio':>6s}")
+    for n in STREAMS:
+        for res in rounds:
+            p = res.get("open_streams_plain", {}).get(str(n), {}).get("tok_s", float("nan"))
+            a = res.get("open_streams_spec_always", {}).get(str(n), {}).get("tok_s", float("nan"))
+            print(f"{n:7d} {p:7.1f} {a:7.1f} {a / p:6.2f}")
     for res in rounds:
         print("spec_decode stats:", {k: res[k].get("stats") for k in res if "spec" in k})
 

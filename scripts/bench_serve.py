@@ -19,8 +19,10 @@ constrained outputs end at the same length as the plain ones, and the cost is th
 <= 15%). `--peers` picks the peers to run.
 `--score N` instead measures prompt-logprob scoring: N requests from `--clients` clients, each `echo` +
 `logprobs=5` + `max_tokens: 0` over a 256-token prompt; prompt tokens/s are reported.
+`--speculative-config JSON` runs both peers with speculative decoding (`EngineConfig.speculative_config`).
 Usage: python scripts/bench_serve.py [--model NAME|DIR] [--dtype float32 bfloat16] [--quick] [--json PATH]
        [--stop] [--penalties] [--structured json] [--peers in-process aiohttp httpx] [--score N]
+       [--speculative-config JSON]
 """
 
 from __future__ import annotations
@@ -296,7 +298,7 @@ def start_server(port: int, flags: dict[str, Any]) -> subprocess.Popen[bytes]:
         "warning",
     ]
     for k, v in flags.items():
-        argv += ["--" + k.replace("_", "-"), str(v)]
+        argv += ["--" + k.replace("_", "-"), json.dumps(v) if isinstance(v, dict) else str(v)]
     proc = subprocess.Popen(argv)
     deadline = time.monotonic() + 600  # graph compile on a busy CPU takes minutes
     while time.monotonic() < deadline:
@@ -328,6 +330,9 @@ def main() -> None:
     ap.add_argument("--structured", choices=["json"], default=None, help="add a json_schema response_format")
     ap.add_argument("--peers", nargs="+", choices=["in-process", "aiohttp", "httpx"], default=None)
     ap.add_argument("--score", type=int, default=0, metavar="N", help="measure prompt scoring, N clients")
+    ap.add_argument(
+        "--speculative-config", type=json.loads, default=None, metavar="JSON", help="both peers' (vLLM's)"
+    )
     args = ap.parse_args()
     # With --stop/--penalties every repeat runs the plain workload, then the same with those fields, on
     # one server: the pair shares the machine's state of the moment, so their ratio is the cost.
@@ -347,6 +352,8 @@ def main() -> None:
     peers = args.peers or ["in-process", "aiohttp", "httpx"]
     for dtype in args.dtype:
         flags = dict(FLAGS, model=model, dtype=dtype, executor=args.executor)
+        if args.speculative_config is not None:
+            flags["speculative_config"] = args.speculative_config
         progress(f"{dtype}: starting asyncexec serve")
         server = start_server(args.port, flags)
         url = f"http://127.0.0.1:{args.port}"

@@ -42,8 +42,18 @@ async def wait_for(cond: object, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_killing_rank_1_mid_stream_heals_with_equal_outputs(tiny_models: dict[str, Path]) -> None:
-    cfg = engine_config(tiny_models["llama"], "mp", 2, restart_on_worker_failure=True)
+SPEC = {"prompt_lookup_min": 1, "disable_by_batch_size": None}
+
+
+@pytest.mark.parametrize("spec", [None, SPEC], ids=["plain", "speculative"])
+async def test_killing_rank_1_mid_stream_heals_with_equal_outputs(
+    tiny_models: dict[str, Path], spec: dict[str, object] | None
+) -> None:
+    """With speculative decoding too: the restart recomputes each request's tokens, accepted drafts
+    included, and it speculates again from there."""
+    cfg = engine_config(
+        tiny_models["llama"], "mp", 2, restart_on_worker_failure=True, speculative_config=spec
+    )
     async with AsyncEngine(cfg) as engine:
         refs = await run_all(engine, WORK)  # the uninterrupted run
         seen = [0]
@@ -61,6 +71,8 @@ async def test_killing_rank_1_mid_stream_heals_with_equal_outputs(tiny_models: d
         stats = engine.stats()
         assert stats["num_free_blocks"] == stats["num_blocks"] and stats["num_restarts"] == 1
         assert await run_all(engine, WORK[:4]) == refs[:4]  # and it keeps serving
+        if spec is not None:
+            assert stats["spec_decode_num_accepted_tokens"] > 0, stats
 
 
 async def test_an_exhausted_restart_budget_fails_every_caller(tiny_models: dict[str, Path]) -> None:

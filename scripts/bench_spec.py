@@ -115,13 +115,14 @@ async def _child_run(j: dict[str, Any]) -> dict[str, Any]:
                 before = engine.stats()
                 n, ttft, decode = await _one(engine, prompts[task], MAX_TOKENS)
                 after = engine.stats()
-                drafts = after.get("spec_decode_num_draft_tokens", 0) - before.get(
-                    "spec_decode_num_draft_tokens", 0
+                drafts, acc, steps = (
+                    after.get(k, 0) - before.get(k, 0)
+                    for k in (
+                        "spec_decode_num_draft_tokens",
+                        "spec_decode_num_accepted_tokens",
+                        "spec_decode_num_drafts",
+                    )
                 )
-                acc = after.get("spec_decode_num_accepted_tokens", 0) - before.get(
-                    "spec_decode_num_accepted_tokens", 0
-                )
-                steps = after.get("spec_decode_num_drafts", 0) - before.get("spec_decode_num_drafts", 0)
                 out[task] = {
                     "tokens": n, "ttft_s": ttft, "tok_s": (n - 1) / decode if decode > 0 else float("nan"),
                     "draft_tokens": drafts, "accepted": acc, "verify_steps": steps,
@@ -180,11 +181,13 @@ def main(argv: list[str]) -> None:
     report(rounds, args)
 
 
+def _tok_s(res: dict[str, Any], peer: str, key: str) -> float:
+    return float(res.get(peer, {}).get(key, {}).get("tok_s", float("nan")))
+
+
 def _ratio(res: dict[str, Any], a: str, b: str, key: str) -> float:
-    try:
-        return float(res[a][key]["tok_s"]) / float(res[b][key]["tok_s"])
-    except (KeyError, TypeError, ZeroDivisionError):
-        return float("nan")
+    den = _tok_s(res, b, key)
+    return _tok_s(res, a, key) / den if den else float("nan")
 
 
 def report(rounds: list[dict[str, Any]], args: argparse.Namespace) -> None:
@@ -203,7 +206,7 @@ def report(rounds: list[dict[str, Any]], args: argparse.Namespace) -> None:
             ratios.append(_ratio(res, "lone_spec", "lone_plain", task))
             acc = s.get("accepted", 0) / s["draft_tokens"] if s.get("draft_tokens") else 0.0
             mean_len = 1 + s.get("accepted", 0) / s["verify_steps"] if s.get("verify_steps") else 0.0
-            pt, st = p.get("tok_s", float("nan")), s.get("tok_s", float("nan"))
+            pt, st = _tok_s(res, "lone_plain", task), _tok_s(res, "lone_spec", task)
             print(f"{task:10s} {kind:9s} {pt:7.1f} {st:7.1f} {ratios[-1]:6.2f} {acc:7.1%} {mean_len:8.2f}")
         if len(rounds) > 1:
             print(f"{task:10s} median ratio over {len(rounds)} rounds: {med(ratios):.2f}")
@@ -215,16 +218,15 @@ def report(rounds: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"{'streams':>7s} {'plain':>7s} {'spec':>7s} {'ratio':>6s} {'always':>7s} {'ratio':>6s}")
     for n in STREAMS:
         for res in rounds:
-            p = res.get("streams_plain", {}).get(str(n), {}).get("tok_s", float("nan"))
-            s = res.get("streams_spec", {}).get(str(n), {}).get("tok_s", float("nan"))
-            a = res.get("streams_spec_always", {}).get(str(n), {}).get("tok_s", float("nan"))
+            p, s, a = (
+                _tok_s(res, peer, str(n)) for peer in ("streams_plain", "streams_spec", "streams_spec_always")
+            )
             print(f"{n:7d} {p:7.1f} {s:7.1f} {s / p:6.2f} {a:7.1f} {a / p:6.2f}")
     print("\nopen-ended streams only (the worst case): output tok/s; speculation at every batch size")
     print(f"{'streams':>7s} {'plain':>7s} {'always':>7s} {'ratio':>6s}")
     for n in STREAMS:
         for res in rounds:
-            p = res.get("open_streams_plain", {}).get(str(n), {}).get("tok_s", float("nan"))
-            a = res.get("open_streams_spec_always", {}).get(str(n), {}).get("tok_s", float("nan"))
+            p, a = (_tok_s(res, peer, str(n)) for peer in ("open_streams_plain", "open_streams_spec_always"))
             print(f"{n:7d} {p:7.1f} {a:7.1f} {a / p:6.2f}")
     for res in rounds:
         print("spec_decode stats:", {k: res[k].get("stats") for k in res if "spec" in k})

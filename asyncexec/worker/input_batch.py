@@ -83,6 +83,7 @@ class InputBatch:
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
         self.requests: dict[str, CachedRequestState] = {}
+        self._drafted: list[str] = []  # the requests that hold this step's draft tokens
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64)
         self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int64)
@@ -126,20 +127,24 @@ class InputBatch:
             else:
                 st.block_ids.extend(c.new_block_ids[i])
             st.token_ids.extend(c.new_token_ids[i])
-        drafts = so.scheduled_spec_decode_tokens
-        for rid, n in so.num_scheduled_tokens.items():
+        for rid in self._drafted:  # last step's drafts are spent
+            if rid in self.requests:
+                self.requests[rid].spec_token_ids = []
+        self._drafted = list(so.scheduled_spec_decode_tokens)
+        for rid, drafts in so.scheduled_spec_decode_tokens.items():
             st = self.requests.get(rid)
-            if st is None:
-                continue  # `prepare` names it
-            st.spec_token_ids = list(drafts.get(rid, ()))
-            if st.spec_token_ids and (
-                n != 1 + len(st.spec_token_ids) or st.num_computed_tokens != len(st.token_ids) - 1
-            ):
-                raise ProtocolError(
-                    f"request {rid!r}: {len(st.spec_token_ids)} draft tokens in a row of {n} tokens, "
-                    f"{st.num_computed_tokens} of its {len(st.token_ids)} tokens computed (drafts need a "
-                    "decoding request and one row of 1 + drafts tokens)"
+            n = so.num_scheduled_tokens.get(rid, 0)
+            if st is None or n != 1 + len(drafts) or st.num_computed_tokens != len(st.token_ids) - 1:
+                have = (
+                    "unknown"
+                    if st is None
+                    else f"{st.num_computed_tokens} of its {len(st.token_ids)} tokens computed"
                 )
+                raise ProtocolError(
+                    f"request {rid!r}: {len(drafts)} draft tokens in a row of {n} tokens, {have} (drafts "
+                    "need a decoding request and one row of 1 + drafts tokens)"
+                )
+            st.spec_token_ids = list(drafts)
 
     def prepare(self, so: SchedulerOutput) -> PreparedBatch:
         sched = so.num_scheduled_tokens

@@ -102,6 +102,13 @@ class EngineConfig:
             "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
             "disable_by_batch_size": 4}; every key optional (`asyncexec.spec_decode.SpeculativeConfig`).
             None decodes one token per step.
+        batch_invariant: a request's tokens and logprobs do not depend on what else is in its steps: the
+            same bits alone or amid any crowd, however its prompt is chunked, before and after a
+            preemption or a worker restart (CPU only; bf16, int8 or int4 weights; the README says what
+            it guarantees and costs). Every token attends through the paged decode kernel (prefill
+            chunks too), linears run kernels whose sums do not depend on the number of rows
+            (`asyncexec.ops.bf16_gemm`, the int8/int4 VNNI GEMMs; one row at a time elsewhere), and
+            graph mode replays one compiled layer graph for every step.
     """
 
     model: str | None = None
@@ -135,6 +142,7 @@ class EngineConfig:
     restart_on_worker_failure: bool = False
     max_worker_restarts: int = 3
     speculative_config: SpeculativeConfig | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:  # a dict (vLLM's spelling) becomes the dataclass
@@ -173,9 +181,14 @@ class EngineConfig:
             "check_rank_agreement",
             "enable_prefix_caching",
             "restart_on_worker_failure",
+            "batch_invariant",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.batch_invariant and self.device == "cuda":
+            raise ConfigError(
+                "batch_invariant=True runs on CPU only (its kernels are CPU kernels); use device='cpu'"
+            )
 
     def _check_numbers(self) -> None:
         """Counts, sizes, timeouts and fractions, each in its range."""

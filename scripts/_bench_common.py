@@ -74,6 +74,27 @@ def ratio(a: Any, b: Any) -> float:
         return NAN
 
 
+async def timed_request(
+    engine: Any, prompt: list[int], max_tokens: int, ignore_eos: bool = False
+) -> tuple[int, float, float]:
+    """One greedy request through `engine.generate`: (tokens, seconds to the first token, seconds from the
+    first token to the last)."""
+    import time
+
+    from asyncexec import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    t0 = time.perf_counter()
+    first = last = t0
+    n = 0
+    async for out in engine.generate(prompt, sp):
+        now = time.perf_counter()
+        if n == 0 and out.token_ids:
+            first = now
+        n, last = len(out.token_ids), now
+    return n, first - t0, last - first
+
+
 def run_isolated(
     script: str, job: dict[str, Any], env: dict[str, str] | None = None, timeout: float = 900
 ) -> dict[str, Any]:

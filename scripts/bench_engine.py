@@ -21,9 +21,13 @@ ready, a lone stream's gap against the byte floor, tokens/s at 16 and 32 streams
 `--speculative`: speculative decoding (n-gram) against plain decoding instead (see `bench_spec.py`, which
 takes its other options, `--speculative-config` among them): a lone stream's tokens/s on input-grounded
 and open-ended tasks with the acceptance figures, and 2-32 streams at once.
+`--batch-invariant`: the batch-invariant mode against the default mode instead (see `bench_invariant.py`,
+which takes its other options): 32-stream tokens/s, a lone stream, a 1,024-token prompt's TTFT, for the
+built-in model's GGUF as it ships, bf16 and int8 weights.
 Writes JSON. Usage: python scripts/bench_engine.py [--model NAME|DIR] [--dtype float32 bfloat16]
 [--requests N] [--peers ...] [--quantization int8] [--quick] | --single-stream [--streams N]
 | --scale [--size 1b|3b] [--quantization bf16 int8 int4] | --speculative [--speculative-config JSON]
+| --batch-invariant [--weights auto bf16 int8] [--rounds N]
 """
 
 from __future__ import annotations
@@ -177,6 +181,11 @@ def main() -> None:
         import bench_scale
 
         bench_scale.main([a for a in sys.argv[1:] if a != "--scale"])
+        return
+    if "--batch-invariant" in sys.argv[1:]:  # bench_invariant.py parses the rest
+        import bench_invariant
+
+        bench_invariant.main([a for a in sys.argv[1:] if a != "--batch-invariant"])
         return
     if "--speculative" in sys.argv[1:]:  # bench_spec.py parses the rest
         import bench_spec

@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-from _bench_common import child_main, progress, run_isolated, write_json
+from _bench_common import child_main, progress, run_isolated, timed_request, write_json
 
 PASSAGE = (
     "The river rises in the hills north of the town and runs south for about forty miles before it reaches "
@@ -82,22 +82,6 @@ def _prompt(tokenizer: Any, task: str) -> list[int]:
     return list(getattr(ids, "input_ids", ids))
 
 
-async def _one(engine: Any, prompt: list[int], max_tokens: int) -> tuple[int, float, float]:
-    """(tokens, seconds to the first token, seconds from the first token to the last)."""
-    from asyncexec import SamplingParams
-
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    t0 = time.perf_counter()
-    first = last = t0
-    n = 0
-    async for out in engine.generate(prompt, sp):
-        now = time.perf_counter()
-        if n == 0 and out.token_ids:
-            first = now
-        n, last = len(out.token_ids), now
-    return n, first - t0, last - first
-
-
 async def _child_run(j: dict[str, Any]) -> dict[str, Any]:
     from asyncexec import AsyncEngine, EngineConfig
 
@@ -109,11 +93,11 @@ async def _child_run(j: dict[str, Any]) -> dict[str, Any]:
     async with AsyncEngine(cfg) as engine:
         tok = engine.tokenizer
         prompts = {t: _prompt(tok, t) for t in TASKS}
-        await _one(engine, prompts["repeat"], 16)  # warm-up
+        await timed_request(engine, prompts["repeat"], 16)  # warm-up
         if j["what"] == "lone":
             for task in TASKS:
                 before = engine.stats()
-                n, ttft, decode = await _one(engine, prompts[task], MAX_TOKENS)
+                n, ttft, decode = await timed_request(engine, prompts[task], MAX_TOKENS)
                 after = engine.stats()
                 drafts, acc, steps = (
                     after.get(k, 0) - before.get(k, 0)
@@ -133,7 +117,7 @@ async def _child_run(j: dict[str, Any]) -> dict[str, Any]:
                 if j["what"] == "streams_open":  # the worst case: nothing to copy
                     tasks = [OPEN[i % len(OPEN)] for i in range(n)]
                 t0 = time.perf_counter()
-                res = await asyncio.gather(*(_one(engine, prompts[t], MAX_TOKENS) for t in tasks))
+                res = await asyncio.gather(*(timed_request(engine, prompts[t], MAX_TOKENS) for t in tasks))
                 wall = time.perf_counter() - t0
                 out[str(n)] = {"tok_s": sum(r[0] for r in res) / wall, "tokens": sum(r[0] for r in res)}
         out["stats"] = {k: v for k, v in engine.stats().items() if k.startswith("spec_decode")}

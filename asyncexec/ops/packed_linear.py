@@ -6,7 +6,10 @@ weights, or its group's share. The
 compiled decoder layers see one opaque call per linear (a group's identical calls merged by
 `DedupeGroupLinears`); eager forwards call `_linear` directly, without the dispatcher. `_matmul` picks
 the kernel: int8 and int4 on AVX-512 VNNI run `int8_gemm` and `int4_gemm` at every size; otherwise, by
-the step's rows, up to `INT8_MAX_ROWS` the quantized kernels, above the dense copy.
+the step's rows, up to `INT8_MAX_ROWS` the quantized kernels, above the dense copy. In the batch-invariant
+mode (`EngineConfig.batch_invariant`) a row's output must not depend on the step's other rows: bf16
+weights run `bf16_gemm` (one order of sums for every M), int8 and int4 on VNNI their kernels (already so),
+and anything else one row at a time (`rowwise`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from asyncexec.ops import int4_gemm, int8_gemm, int8_gemv
+from asyncexec.ops import bf16_gemm, int4_gemm, int8_gemm, int8_gemv
 
 __all__ = [
     "INT4_GROUP",
@@ -50,6 +53,8 @@ class PackedWeight:
     nibbles: torch.Tensor | None = None  # int4 in `int4_gemm`'s layout: serves every step (no dense copy)
     d: torch.Tensor | None = None  # int4 (`int4_gemm`): scales [K / INT4_GROUP, N], bf16 (or a GGUF's fp16)
     mn: torch.Tensor | None = None  # int4 (`int4_gemm`): minimums, as d; None with d: Q4_0's -8 d
+    bf16: torch.Tensor | None = None  # batch-invariant bf16 in `bf16_gemm`'s layout: serves every step
+    rowwise: bool = False  # batch-invariant where no kernel above is: one row at a time (slower)
     bias: torch.Tensor | None = None  # a group's concatenated bias (a lone linear's comes with the call)
     group: LinearGroup | None = None  # set on a member of a group: its columns of the group's output start
     start: int = 0  # at `start` (and are as many as its stand-in weight's rows)
@@ -89,6 +94,14 @@ _lib.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")  #
 
 def _matmul(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if p.bf16 is not None:  # batch-invariant bf16: one kernel, one order of sums, for every step
+        return bf16_gemm.run(x2.contiguous(), p.bf16, bias)
+    if p.rowwise and x2.shape[0] > 1:  # batch-invariant without such a kernel: each row as a step of one
+        return torch.cat([_dispatch(x2[i : i + 1], p, bias) for i in range(x2.shape[0])])
+    return _dispatch(x2, p, bias)
+
+
+def _dispatch(x2: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     y: torch.Tensor
     if p.blocked is not None:  # int8 on AVX-512 VNNI: one kernel for every step
         assert p.scales is not None

@@ -56,7 +56,7 @@ import torch
 from asyncexec import envs
 from asyncexec.config import QUANTIZATIONS
 from asyncexec.errors import ConfigError
-from asyncexec.ops import int8_gemv
+from asyncexec.ops import bf16_gemm, int8_gemv
 from asyncexec.ops.packed_linear import (
     INT8_MAX_ROWS,
     REGISTRY,
@@ -140,7 +140,10 @@ def _pack(
     lm_head: bool = False,
     plain: bool = False,
     release: Release = _keep,
+    invariant: bool = False,
 ) -> PackedWeight:
+    if invariant and quantization is None and bf16_gemm.fits(w):  # one bf16 copy, one order of sums
+        return PackedWeight(bf16=bf16_gemm.pack(w))
     packed = PackedWeight()
     if quantization == "int4" and not lm_head and int4.gemm_serves(w):
         return blocked_int4(w, release)  # one 4-bit copy serves every step
@@ -154,12 +157,19 @@ def _pack(
         packed.qweight, packed.scales = quantize_weight(w, s)
         packed.gemv = envs.int8_gemv_enabled() and int8_gemv.fits(packed.qweight, packed.scales)
         w = dequantize(packed.qweight, packed.scales, s).to(w.dtype)  # what int8 rows compute with
-    elif upcast:
+    elif upcast or (invariant and not pack_dense):  # (no oneDNN here: the invariant mode's rows, one by one)
         packed.small = w.contiguous()
     if pack_dense and plain:
         packed.dense, packed.plain = w.t().contiguous(), True
     elif pack_dense:
         packed.dense = torch.ops.mkldnn._reorder_linear_weight(w.float() if upcast else w, 1)
+    return packed
+
+
+def _batch_invariant(packed: PackedWeight, invariant: bool) -> PackedWeight:
+    """`packed` for the batch-invariant mode: its kernel where that kernel's sums do not depend on the
+    step's rows (bf16's `bf16_gemm`, int8's and int4's VNNI GEMMs), else one row at a time."""
+    packed.rowwise = invariant and packed.bf16 is None and packed.blocked is None and packed.nibbles is None
     return packed
 
 
@@ -201,7 +211,7 @@ class _Layout:
 
 
 def _choose_layout(
-    model: torch.nn.Module, head: Any, quantization: str | None, pack_dense: bool
+    model: torch.nn.Module, head: Any, quantization: str | None, pack_dense: bool, invariant: bool = False
 ) -> _Layout | None:
     """The layout for `model`'s weights on this CPU; None where there is nothing to do."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -212,7 +222,7 @@ def _choose_layout(
     elif pack_dense and not can_pack(dtype):
         pack_dense = False  # int8 then serves every size; without int8 there is nothing to do
         logger.info("oneDNN cannot pack %s weights on this CPU: linears stay as they are", dtype)
-        if quantization is None:
+        if quantization is None and not invariant:
             return None
     plain = False
     if pack_dense and dtype == torch.float32 and quantization is None:
@@ -235,7 +245,7 @@ class _PackStats(dict[str, int]):
         """`share`: a group member's part of the group's weights."""
         self["bytes_before"] += w.numel() * w.element_size()
         tensors = (p.dense, p.small, p.qweight, p.blocked, p.scales, p.inv_s, p.q4, p.sz, p.nibbles,
-                   p.d, p.mn)  # fmt: skip
+                   p.d, p.mn, p.bf16)  # fmt: skip
         self["bytes_after"] += int(
             share * sum(t.numel() * t.element_size() for t in tensors if t is not None)
         )
@@ -250,13 +260,17 @@ def pack_linears(
     input_scales: Mapping[torch.nn.Linear, torch.Tensor] | None = None,
     release: Release | None = None,
     sources: Mapping[torch.nn.Module, SourceLike] | None = None,
+    batch_invariant: bool = False,
 ) -> dict[str, int]:
     """Route every `nn.Linear` of `model` through `asyncexec::packed_linear`; returns what it did.
     `input_scales`: int8's activation-aware scales per linear (`quantization.int8.activation_scales`).
     `release`: called with each original weight once it is packed (the worker drops its pages from the
     checkpoint's memory map: the load's peak then holds one weight of it at a time).
     `sources`: weights already quantized (a GGUF file's, `gguf.loader`), by module: those linears (and
-    embeddings) take them as they are, whatever `quantization` says of the others."""
+    embeddings) take them as they are, whatever `quantization` says of the others.
+    `batch_invariant`: every linear's output row independent of the step's other rows
+    (`EngineConfig.batch_invariant`): bf16 weights in `bf16_gemm`'s layout, and one row at a time where
+    no such kernel serves (counted in the result's `rowwise`)."""
     done = release or _keep
     act = input_scales or {}
     kept = dict(sources or {})
@@ -265,7 +279,7 @@ def pack_linears(
     stats = _PackStats()
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    layout = _choose_layout(model, head, quantization, pack_dense)
+    layout = _choose_layout(model, head, quantization, pack_dense, batch_invariant)
     if layout is None:
         return dict(stats)
     stats["plain"] = int(layout.plain)
@@ -273,9 +287,9 @@ def pack_linears(
     for members in find_groups(model):
         inside = [m in kept for m in members]
         if all(inside) and len({kept[m].form for m in members}) == 1:
-            _pack_group(members, quantization, layout, act, stats, kept)
+            _pack_group(members, quantization, layout, act, stats, kept, batch_invariant)
         elif not any(inside):
-            for w in _pack_group(members, quantization, layout, act, stats):
+            for w in _pack_group(members, quantization, layout, act, stats, None, batch_invariant):
                 done(w)
         # else: some kept, some not, or of two forms: each member is packed on its own below
     packed_sources: dict[int, PackedWeight] = {}
@@ -289,8 +303,12 @@ def pack_linears(
         if module in kept:
             packed = packed_sources[id(kept[module])] = _pack_source(kept[module])
         else:
+            bias_ok = module.bias is None or module.bias.dtype == w.dtype
             packed = _pack(w, quantization, layout.pack_dense, layout.upcast, act.get(module),
-                           lm_head=module is head, plain=layout.plain, release=done)  # fmt: skip
+                           lm_head=module is head, plain=layout.plain, release=done,
+                           invariant=batch_invariant and bias_ok)  # fmt: skip
+        _batch_invariant(packed, batch_invariant)
+        stats["rowwise"] = stats.get("rowwise", 0) + packed.rowwise
         replace_linear(module, packed)
         stats.count(w, packed)
         stats["linears"] += 1
@@ -332,9 +350,11 @@ def _pack_group(
     act: Mapping[torch.nn.Linear, torch.Tensor],
     stats: _PackStats,
     kept: Mapping[torch.nn.Module, SourceLike] | None = None,
+    invariant: bool = False,
 ) -> list[torch.Tensor]:
     """Sibling linears of one input (q/k/v, gate/up) as one packed weight, each member a slice of it;
-    returns the members' original weights. `kept`: the members' quantized sources, stacked."""
+    returns the members' original weights. `kept`: the members' quantized sources, stacked.
+    `invariant`: the batch-invariant mode's form (`pack_linears`)."""
     ws = [m.weight.detach() for m in members]
     s = act.get(members[0])
     shared = all(act.get(m) is s for m in members)  # siblings' scales come from their one input
@@ -345,7 +365,9 @@ def _pack_group(
         group_packed = _pack_source(StackedWeight(parts))
     else:
         group_packed = _pack(torch.cat(ws), quantization, layout.pack_dense, layout.upcast,
-                             s if shared else None, plain=layout.plain)  # fmt: skip
+                             s if shared else None, plain=layout.plain, invariant=invariant)  # fmt: skip
+    _batch_invariant(group_packed, invariant)
+    stats["rowwise"] = stats.get("rowwise", 0) + group_packed.rowwise
     if members[0].bias is not None:
         group_packed.bias = torch.cat([m.bias.detach() for m in members if m.bias is not None])
     starts = [sum(w.shape[0] for w in ws[:i]) for i in range(len(ws))]

@@ -14,6 +14,10 @@ the drafts. Each of its tokens is a decode row of its own (its position, the req
 length that ends at it): so the step stays a decode step, which graph mode replays (the rows' K/V are
 written before any row attends, so each sees the drafts before it). The drafts are not added to its
 tokens: the runner appends the ones its sampler accepted.
+
+Batch-invariant mode (`decode_rows_only`, `EngineConfig.batch_invariant`): every token is a decode row,
+prefill chunks' too, so each token attends through the one decode kernel, its keys summed in one order
+whether it arrives in a chunk of any size, a decode step or a verify row.
 """
 
 from __future__ import annotations
@@ -75,19 +79,22 @@ class InputBatch:
         max_blocks_per_seq: int,
         block_size: int,
         max_decode_rows: int | None = None,
+        decode_rows_only: bool = False,
     ) -> None:
         """`max_decode_rows`: decode rows a step may hold (`max_num_seqs`; more with speculative decoding,
-        where a request has a row per draft)."""
+        where a request has a row per draft). `decode_rows_only`: every token a decode row (the
+        batch-invariant mode)."""
         self.block_size = block_size
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.decode_rows_only = decode_rows_only
         self.requests: dict[str, CachedRequestState] = {}
         self._drafted: list[str] = []  # the requests that hold this step's draft tokens
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64)
         self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int64)
-        rows = min(max_decode_rows or max_num_seqs, max_num_tokens)
+        rows = max_num_tokens if decode_rows_only else min(max_decode_rows or max_num_seqs, max_num_tokens)
         self.block_tables = torch.zeros(rows, max_blocks_per_seq, dtype=torch.int64)
         self.seq_lens = torch.zeros(rows, dtype=torch.int64)
         self.logits_indices = torch.zeros(max_num_tokens, dtype=torch.int64)
@@ -169,6 +176,9 @@ class InputBatch:
                 for j in range(n):
                     max_blocks = max(max_blocks, self._write_decode(num_decodes, t + j, st, j))
                     num_decodes += 1
+            elif self.decode_rows_only:  # a chunk's tokens each a decode row too
+                max_blocks = max(max_blocks, self._write_chunk_rows(num_decodes, t, n, st))
+                num_decodes += n
             else:
                 prefills.append((t, n, end))
                 prefill_blocks.append(self._write_prefill(t, n, st))
@@ -201,7 +211,7 @@ class InputBatch:
         then prefill chunks."""
         sched = so.num_scheduled_tokens
         drafts = so.scheduled_spec_decode_tokens
-        rows = sum(n for r, n in sched.items() if n == 1 or r in drafts)
+        rows = sum(n for r, n in sched.items() if n == 1 or r in drafts or self.decode_rows_only)
         if (
             len(sched) > self.max_num_seqs
             or so.total_num_scheduled_tokens > self.max_num_tokens
@@ -246,6 +256,19 @@ class InputBatch:
         self._seq_lens[row] = c + 1
         return need
 
+    def _write_chunk_rows(self, row: int, t: int, n: int, st: CachedRequestState) -> int:
+        """A prefill chunk as `n` decode rows from `row` on: each token's position, slot, the request's
+        block table and a length that ends at it; returns the blocks its last token needs."""
+        c, bs = st.num_computed_tokens, self.block_size
+        need = -(-(c + n) // bs)
+        p = np.arange(c, c + n)
+        blocks = np.asarray(st.block_ids[:need], dtype=np.int64)
+        self._pos[t : t + n] = p
+        self._slots[t : t + n] = blocks[p // bs] * bs + p % bs
+        self._tables[row : row + n, :need] = blocks  # the columns past a row's length: `_decode_groups`
+        self._seq_lens[row : row + n] = p + 1
+        return need
+
     def _write_prefill(self, t: int, n: int, st: CachedRequestState) -> torch.Tensor:
         """A prefill chunk's positions and slots; returns the blocks it attends to."""
         c, bs = st.num_computed_tokens, self.block_size
@@ -259,8 +282,9 @@ class InputBatch:
         """Pad the decode rows' tables to `max_blocks` with block 0 (masked), and group the rows by
         DECODE_GROUP: (first row, end row, blocks the group's longest row needs)."""
         bs, seq_lens = self.block_size, self._seq_lens
-        for row in range(num_decodes):
-            self._tables[row, -(-int(seq_lens[row]) // bs) : max_blocks] = NULL_BLOCK
+        need = -(-seq_lens[:num_decodes] // bs)
+        tables = self._tables[:num_decodes, :max_blocks]
+        tables[np.arange(max_blocks)[None, :] >= need[:, None]] = NULL_BLOCK
         groups = []
         for s in range(0, num_decodes, DECODE_GROUP):
             e = min(s + DECODE_GROUP, num_decodes)

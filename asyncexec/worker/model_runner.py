@@ -91,6 +91,10 @@ class ModelRunner:
                 f"max_model_len={self.max_model_len} exceeds {arch}'s {model_max_len(hf_config)}"
             )
         self.dtype = self._dtype(hf_config)
+        if self.config.batch_invariant and self.device.type != "cpu":
+            raise ConfigError(
+                f"batch_invariant=True runs on CPU only; this rank's device is {self.device.type}"
+            )
         check_quantization(self.config.quantization, self.device, self.dtype)
         self.gguf_sources: dict[torch.nn.Module, Any] = {}
         if opened is not None:
@@ -111,6 +115,7 @@ class ModelRunner:
             math.ceil(self.max_model_len / bs),
             bs,
             self.config.max_num_seqs * (1 + spec.num_speculative_tokens) if spec else None,
+            decode_rows_only=self.config.batch_invariant,
         )
 
     def _load_folder(self, path: str) -> None:
@@ -156,11 +161,18 @@ class ModelRunner:
            (`graphs.cpu.CompiledLayers.dispatch`) or eager, by the step's attention metadata."""
         self.model.set_attn_implementation(register_attention())
         cpu = self.device.type == "cpu"
-        if cpu and (self.config.quantization or not self.config.enforce_eager or self.gguf_sources):
+        invariant = self.config.batch_invariant
+        if cpu and (
+            self.config.quantization or not self.config.enforce_eager or self.gguf_sources or invariant
+        ):
             mappings = FileMappings()  # the checkpoint's: each weight's pages go once it is packed
-            pack_linears(self.model, self.config.quantization, input_scales=self._int8_scales(path),
-                         release=lambda w: drop_file_pages(w, mappings),
-                         sources=self.gguf_sources)  # fmt: skip
+            done = pack_linears(self.model, self.config.quantization, input_scales=self._int8_scales(path),
+                                release=lambda w: drop_file_pages(w, mappings),
+                                sources=self.gguf_sources, batch_invariant=invariant)  # fmt: skip
+            if done.get("rowwise") and self.rank == 0:
+                logger.warning("batch_invariant: %d linears have no kernel whose sums are the same for "
+                               "every number of rows on this CPU (bf16 needs AVX-512 BF16, int8/int4 AVX-512 "
+                               "VNNI); they multiply one row at a time, slower", done["rowwise"])  # fmt: skip
         if cpu and self._cpu_graph_mode():
             from asyncexec.worker.graphs.cpu import CompiledLayers, decoder_layers
 
@@ -251,8 +263,25 @@ class ModelRunner:
                 for h, d, dt in self.kv_spec.values()
             ]
         self.num_blocks = num_blocks
+        if self.config.batch_invariant:
+            self._check_decode_kernel()
         logger.info("allocated %d KV blocks of %d tokens (%.1f MiB)", num_blocks, bs,
                     num_blocks * self.kv_cache_block_bytes() / 2**20)  # fmt: skip
+
+    def _check_decode_kernel(self) -> None:
+        """The batch-invariant mode attends every token through the C++ paged decode kernel (each row's
+        keys summed in one order, `ops.paged_decode`): refuse where it cannot serve this model."""
+        from asyncexec.ops import paged_decode
+
+        heads = self.hf_config.get_text_config().num_attention_heads // self.world_size
+        k_cache = self.kv_caches[0][0]
+        q = torch.empty(1, heads, k_cache.shape[3], dtype=k_cache.dtype)
+        if not (paged_decode.load() and paged_decode.serves(q, k_cache)):
+            raise ConfigError(
+                f"batch_invariant=True needs asyncexec's paged decode kernel, which does not serve "
+                f"{self.arch} here ({heads} query heads, KV {tuple(k_cache.shape[2:])}, {k_cache.dtype}, or "
+                "it could not build: see the log)"
+            )
 
     # ----- graphs ---------------------------------------------------------------------------------
 
@@ -272,7 +301,7 @@ class ModelRunner:
 
             self.graphs = CPUGraphRunner(
                 self.model, self.kv_caches, self.attention_modules, self.input_batch, sizes,
-                self.compiled_layers,
+                self.compiled_layers, self.config.batch_invariant,
             ).capture(progress)  # fmt: skip
             self.inplace_decode = True
         trim_heap()
@@ -350,7 +379,7 @@ class ModelRunner:
             [blk.to(dev, non_blocking=True) for blk in b.prefill_block_ids],
             b.decode_buckets,
         )
-        md.inplace_decode = self.inplace_decode
+        md.inplace_decode = self.inplace_decode or self.config.batch_invariant
         # CPU graph mode: the layers of a mixed or prefill step run their own compiled graph
         md.mixed_graph = self.inplace_decode and len(b.input_ids) >= MIXED_MIN_TOKENS
         self.stats["mixed_graph_steps"] += md.mixed_graph

@@ -188,9 +188,18 @@ class CPUGraphRunner:
         input_batch: InputBatch,
         sizes: list[int],
         layers: CompiledLayers,
+        invariant: bool = False,
     ) -> None:
+        # batch-invariant: every step, prefill chunks' tokens included, replays the one dynamic-size graph
+        # at its own size (1 pads to 2: dynamo would compile size 1 on its own), compiled at size 2 whatever
+        # the config, so its code is the same for every engine
+        self.invariant = invariant
+        if invariant:
+            sizes = [2]
         max_b = max(sizes)
-        rows = max(max_b, 2)  # start-up also runs 2 rows eager (`capture`)
+        rows = max(
+            max_b, 2, input_batch.max_num_tokens if invariant else 0
+        )  # start-up also runs 2 rows eager
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = bs = input_batch.block_size
@@ -208,7 +217,8 @@ class CPUGraphRunner:
             self.padded[n] = min(s for s in sizes if s >= n)
         self.capture_seconds = 0.0
         self.cache_dir = compile_cache_dir()
-        if envs.paged_decode_enabled():  # before compiling: the layer graph calls the C++ kernel if it built
+        # before compiling: the layer graph calls the C++ kernel if it built (the invariant mode: always)
+        if envs.paged_decode_enabled() or invariant:
             paged_decode.load()
         else:
             logger.info("ASYNCEXEC_PAGED_DECODE=0: decode attention runs the inductor-compiled kernel")
@@ -234,7 +244,9 @@ class CPUGraphRunner:
             self._forward(b, torch.arange(b), decode_width(1, self.block_size))
             per_size[b] = self.layers.generated[before:]
         self.direct = self._direct_codes(per_size)
-        for b in (2, 1):  # mixed steps' decode rows: the in-place kernel, one row and many; and with
+        for b in (
+            () if self.invariant else (2, 1)
+        ):  # mixed steps' decode rows: the in-place kernel, one row and many; and with
             # 2 rows, the mixed steps' layer graph (2 tokens or more: one graph serves every mixed step)
             self._forward(b, torch.arange(b), decode_width(1, self.block_size), graph=False)
         self.capture_seconds = time.perf_counter() - start
@@ -289,9 +301,9 @@ class CPUGraphRunner:
     def replay(self, batch: PreparedBatch) -> torch.Tensor | None:
         """Logits of the rows that sample, or None where no compiled size fits this batch."""
         n, bs = batch.num_decodes, self.block_size
-        if n >= len(self.padded):
+        if n >= len(self.padded) and not self.invariant:
             return None
-        b = self.padded[n]
+        b = self.padded[n] if n < len(self.padded) else n  # (invariant: the dynamic graph takes any size)
         width = batch.decode_block_tables.shape[1]  # the longest row's blocks
         self.input_ids[:n] = batch.input_ids
         self.positions[:n] = batch.positions

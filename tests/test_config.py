@@ -38,11 +38,18 @@ def test_config_is_frozen() -> None:
         ("shm_arena_bytes", -1),
         ("inline_tensor_bytes", 1.5),
         ("model", ""),
+        ("batch_invariant", "yes"),
     ],
 )
 def test_invalid_fields_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
         EngineConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_the_batch_invariant_mode_is_refused_on_cuda() -> None:
+    with pytest.raises(ConfigError, match="batch_invariant=True runs on CPU only"):
+        EngineConfig(batch_invariant=True, device="cuda")
+    assert EngineConfig(batch_invariant=True, device="cpu").batch_invariant
 
 
 def test_config_travels_as_msgpack_and_is_validated_on_decode() -> None:

@@ -131,3 +131,14 @@ async def test_speculative_decoding_on_ray_equals_hf(tiny_models: dict[str, Path
     async with AsyncEngine(cfg) as engine:
         assert await run_all(engine, work) == refs
         assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+async def test_the_batch_invariant_mode_gives_ray_the_bits_of_uni() -> None:
+    """The real model in bf16 with `batch_invariant=True`: probes amid a crowd on a Ray actor get the
+    tokens and logprobs the same probes get alone on the uni executor (same tensor-parallel size)."""
+    from tests.real_model.test_smollm2_batch_invariant import alone, amid_crowd, config
+
+    async with AsyncEngine(config()) as engine:
+        ref = await alone(engine)
+    async with AsyncEngine(config(executor="ray")) as engine:
+        assert await amid_crowd(engine, 3) == ref

@@ -57,6 +57,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from asyncexec import envs
 from asyncexec.errors import ConfigError
@@ -241,9 +242,14 @@ class CPUGraphRunner:
         for b in bar:
             bar.set_postfix(batch=b)
             before = len(self.layers.generated)
-            self._forward(b, torch.arange(b), decode_width(1, self.block_size))
+            # the invariant mode's one graph must also serve a lone row: compiled without dynamo's
+            # specialization of sizes 0 and 1 (size-oblivious), it does, and is called for it without guards
+            with fx_config.patch(backed_size_oblivious=self.invariant):  # type: ignore[attr-defined]
+                self._forward(b, torch.arange(b), decode_width(1, self.block_size))
             per_size[b] = self.layers.generated[before:]
         self.direct = self._direct_codes(per_size)
+        if self.invariant and _size_class(2) in self.direct:
+            self.padded[1] = 1  # a lone row runs alone (else it pads to 2, which costs a lone stream)
         for b in (
             () if self.invariant else (2, 1)
         ):  # mixed steps' decode rows: the in-place kernel, one row and many; and with
@@ -253,6 +259,10 @@ class CPUGraphRunner:
         logger.info("compiled decode graphs for sizes %s in %.1f s (cache %s)", self.sizes,
                     self.capture_seconds, self.cache_dir)  # fmt: skip
         return self
+
+    def _class(self, b: int) -> int:
+        """The size class whose compiled code runs `b` rows (the invariant mode: one for every size)."""
+        return _size_class(2) if self.invariant else _size_class(b)
 
     def _direct_codes(self, per_size: dict[int, list[types.CodeType]]) -> dict[int, Callable[..., Any]]:
         """Each size class's one generated code, where start-up proves it is the only entry dynamo would
@@ -287,7 +297,7 @@ class CPUGraphRunner:
         )
         md.graph, md.inplace_decode = graph, not graph
         md.mixed_graph = not graph and b >= MIXED_MIN_TOKENS
-        md.layer_code = self.direct.get(_size_class(b)) if graph else None
+        md.layer_code = self.direct.get(self._class(b)) if graph else None
         with mixed_step(md):
             out: Any = self.model(
                 input_ids=self.input_ids[:b][None],
@@ -314,5 +324,5 @@ class CPUGraphRunner:
         self.slots[n:b].fill_(NULL_BLOCK * bs)
         self.seq_lens[n:b].fill_(1)
         self.block_tables[n:b].fill_(NULL_BLOCK)
-        self.guard_free = _size_class(b) in self.direct
+        self.guard_free = self._class(b) in self.direct
         return self._forward(b, batch.logits_indices, decode_width(width * bs, bs))

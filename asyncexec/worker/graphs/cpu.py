@@ -192,8 +192,8 @@ class CPUGraphRunner:
         invariant: bool = False,
     ) -> None:
         # batch-invariant: every step, prefill chunks' tokens included, replays the one dynamic-size graph
-        # at its own size (1 pads to 2: dynamo would compile size 1 on its own), compiled at size 2 whatever
-        # the config, so its code is the same for every engine
+        # at its own size, compiled at size 2 whatever the config (so its code is the same for every
+        # engine) and size-oblivious, so a lone row needs no graph of its own (`capture`)
         self.invariant = invariant
         if invariant:
             sizes = [2]
@@ -250,9 +250,8 @@ class CPUGraphRunner:
         self.direct = self._direct_codes(per_size)
         if self.invariant and _size_class(2) in self.direct:
             self.padded[1] = 1  # a lone row runs alone (else it pads to 2, which costs a lone stream)
-        for b in (
-            () if self.invariant else (2, 1)
-        ):  # mixed steps' decode rows: the in-place kernel, one row and many; and with
+        warm = () if self.invariant else (2, 1)  # (the invariant mode has no mixed steps)
+        for b in warm:  # mixed steps' decode rows: the in-place kernel, one row and many; and with
             # 2 rows, the mixed steps' layer graph (2 tokens or more: one graph serves every mixed step)
             self._forward(b, torch.arange(b), decode_width(1, self.block_size), graph=False)
         self.capture_seconds = time.perf_counter() - start
